@@ -1,0 +1,301 @@
+"""The authenticated handshake that opens every connection.
+
+Theory of operation
+-------------------
+Both sides send HELLO at once, without waiting::
+
+    HELLO {v: 1, pk: <32-byte Ed25519 public key>, n: <32 random bytes>,
+           sw: <swarm name>, w: <stream receive window>}
+
+When a side holds both HELLOs it computes the transcript::
+
+    T = SHA-256("p2ptrain/handshake/v1" || u32(len(swarm)) || swarm
+                || pk_initiator || n_initiator || pk_responder || n_responder)
+
+and sends AUTH ``{s: Sign(role || T), a: admission proof}`` where ``role`` is
+``b"initiator"`` or ``b"responder"`` (so a signature cannot be reflected back
+to its author). Because T contains both fresh nonces, an AUTH recorded from an
+earlier session never verifies again. The admission proof, when the swarm has
+a shared secret, is ``HMAC-SHA256(secret, b"admission" || role || T)``: it
+proves knowledge of the secret without revealing it and is bound to this
+session as well.
+
+A side that refuses the other sends ``REFUSE {c: code, m: message}`` before
+closing, so the refused peer learns why. Codes: ``authentication``,
+``admission``, ``swarm``, ``version``, ``protocol``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2ptrain.errors import (
+    AdmissionError,
+    AuthenticationError,
+    ConfigError,
+    HandshakeError,
+    P2PTrainError,
+    RemoteProtocolError,
+    TransportTimeoutError,
+)
+from p2ptrain.identity import PUBLIC_KEY_BYTES, Identity, PeerID, verify_signature
+from p2ptrain.transport.base import FrameTransport
+from p2ptrain.wire.frames import Frame, FrameType
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AdmissionPolicy",
+    "Hello",
+    "HandshakeResult",
+    "admission_proof",
+    "perform_handshake",
+    "transcript_hash",
+]
+
+PROTOCOL_VERSION = 1
+NONCE_BYTES = 32
+_DOMAIN = b"p2ptrain/handshake/v1"
+_MAX_SWARM_NAME = 256
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """Who may join a swarm.
+
+    Attributes:
+        secret: a shared secret every member must prove it knows, or None.
+        allowlist: the Ed25519 public keys admitted, or None for anybody.
+    """
+
+    secret: bytes | None = field(default=None, repr=False)
+    allowlist: frozenset[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        if self.secret is not None and len(self.secret) < 16:
+            raise ConfigError("an admission secret must be at least 16 bytes")
+        if self.allowlist is not None:
+            if any(len(key) != PUBLIC_KEY_BYTES for key in self.allowlist):
+                raise ConfigError("allowlist entries must be 32-byte Ed25519 public keys")
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first frame each side sends."""
+
+    public_key: bytes
+    nonce: bytes
+    swarm: str
+    stream_window: int
+    version: int = PROTOCOL_VERSION
+
+    def to_frame(self) -> Frame:
+        """This HELLO as a frame."""
+        fields = {
+            "v": self.version,
+            "pk": self.public_key,
+            "n": self.nonce,
+            "sw": self.swarm,
+            "w": self.stream_window,
+        }
+        return Frame(FrameType.HELLO, fields=fields)
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> Hello:
+        """Parse and validate a HELLO received from the network."""
+        if frame.type is FrameType.REFUSE:
+            raise _refusal_error(frame)
+        if frame.type is not FrameType.HELLO:
+            raise RemoteProtocolError(f"expected HELLO, got {frame.type.name}")
+        version, pk, nonce = frame.field("v"), frame.field("pk"), frame.field("n")
+        swarm, window = frame.field("sw"), frame.field("w")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise RemoteProtocolError("HELLO: version must be an integer")
+        if not isinstance(pk, bytes) or len(pk) != PUBLIC_KEY_BYTES:
+            raise RemoteProtocolError("HELLO: public key must be 32 bytes")
+        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+            raise RemoteProtocolError("HELLO: nonce must be 32 bytes")
+        if not isinstance(swarm, str) or len(swarm) > _MAX_SWARM_NAME:
+            raise RemoteProtocolError("HELLO: swarm must be a short string")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1024:
+            raise RemoteProtocolError("HELLO: stream window must be an integer >= 1024")
+        return cls(pk, nonce, swarm, window, version)
+
+
+@dataclass(frozen=True)
+class HandshakeResult:
+    """What a completed handshake established about the remote peer."""
+
+    peer_id: PeerID
+    public_key: bytes
+    stream_window: int
+    """The remote's per-stream receive window: how much we may send unacknowledged."""
+
+
+def transcript_hash(initiator: Hello, responder: Hello) -> bytes:
+    """The transcript both signatures cover; binds both keys and both nonces."""
+    swarm = initiator.swarm.encode("utf-8")
+    digest = hashlib.sha256()
+    digest.update(_DOMAIN)
+    digest.update(struct.pack(">I", len(swarm)))
+    digest.update(swarm)
+    digest.update(initiator.public_key + initiator.nonce)
+    digest.update(responder.public_key + responder.nonce)
+    return digest.digest()
+
+
+def _role(initiator: bool) -> bytes:
+    return b"initiator" if initiator else b"responder"
+
+
+def admission_proof(secret: bytes, transcript: bytes, *, initiator: bool) -> bytes:
+    """HMAC proving knowledge of the swarm secret, bound to this session and role."""
+    return hmac.new(secret, b"admission" + _role(initiator) + transcript, "sha256").digest()
+
+
+def make_auth(
+    identity: Identity, transcript: bytes, *, initiator: bool, policy: AdmissionPolicy
+) -> Frame:
+    """The AUTH frame proving we hold our key (and the swarm secret, if any)."""
+    fields: dict[str, Any] = {"s": identity.sign(_role(initiator) + transcript)}
+    if policy.secret is not None:
+        fields["a"] = admission_proof(policy.secret, transcript, initiator=initiator)
+    return Frame(FrameType.AUTH, fields=fields)
+
+
+def verify_auth(
+    frame: Frame,
+    remote: Hello,
+    transcript: bytes,
+    *,
+    remote_is_initiator: bool,
+    policy: AdmissionPolicy,
+    expected_peer: PeerID | None,
+) -> PeerID:
+    """Check the remote's AUTH; return its PeerID or raise HandshakeError."""
+    if frame.type is FrameType.REFUSE:
+        raise _refusal_error(frame)
+    if frame.type is not FrameType.AUTH:
+        raise RemoteProtocolError(f"expected AUTH, got {frame.type.name}")
+    signature = frame.field("s")
+    if not isinstance(signature, bytes) or not verify_signature(
+        remote.public_key, signature, _role(remote_is_initiator) + transcript
+    ):
+        raise AuthenticationError("handshake signature does not verify")
+    peer_id = PeerID.from_public_key(remote.public_key)
+    if expected_peer is not None and peer_id != expected_peer:
+        raise AuthenticationError(
+            f"expected peer {expected_peer.short}, but the remote is {peer_id.short}"
+        )
+    if policy.secret is not None:
+        proof = frame.field("a")
+        expected = admission_proof(policy.secret, transcript, initiator=remote_is_initiator)
+        if not isinstance(proof, bytes) or not hmac.compare_digest(proof, expected):
+            raise AdmissionError("the remote does not know the swarm's admission secret")
+    if policy.allowlist is not None and remote.public_key not in policy.allowlist:
+        raise AdmissionError(f"peer {peer_id.short} is not on the swarm's allowlist")
+    return peer_id
+
+
+_REFUSAL_ERRORS: dict[str, type[HandshakeError]] = {
+    "authentication": AuthenticationError,
+    "admission": AdmissionError,
+}
+
+
+def _refusal_error(frame: Frame) -> HandshakeError:
+    code = frame.field("c")
+    message = frame.field("m")
+    text = message if isinstance(message, str) else "no reason given"
+    cls = _REFUSAL_ERRORS.get(code if isinstance(code, str) else "", HandshakeError)
+    return cls(f"the remote refused the connection ({code}): {text}")
+
+
+def _refusal_code(exc: P2PTrainError) -> str:
+    if isinstance(exc, AdmissionError):
+        return "admission"
+    if isinstance(exc, AuthenticationError):
+        return "authentication"
+    if isinstance(exc, _SwarmMismatch):
+        return "swarm"
+    if isinstance(exc, _VersionMismatch):
+        return "version"
+    return "protocol"
+
+
+class _SwarmMismatch(HandshakeError):
+    pass
+
+
+class _VersionMismatch(HandshakeError):
+    pass
+
+
+async def perform_handshake(
+    transport: FrameTransport,
+    identity: Identity,
+    *,
+    initiator: bool,
+    swarm: str,
+    stream_window: int,
+    policy: AdmissionPolicy,
+    expected_peer: PeerID | None = None,
+    timeout: float,
+) -> HandshakeResult:
+    """Run the handshake over a fresh transport.
+
+    Raises:
+        HandshakeError: the remote failed authentication or admission, or
+            refused us (then the message carries its reason).
+        RemoteProtocolError: the remote sent malformed handshake frames.
+        TransportTimeoutError: the handshake did not finish within ``timeout``.
+    """
+    ours = Hello(identity.public_key, os.urandom(NONCE_BYTES), swarm, stream_window)
+    try:
+        async with asyncio.timeout(timeout):
+            await transport.send_frame(ours.to_frame())
+            theirs = Hello.from_frame(await transport.recv_frame())
+            try:
+                if theirs.version != PROTOCOL_VERSION:
+                    raise _VersionMismatch(f"unsupported protocol version {theirs.version}")
+                if theirs.swarm != swarm:
+                    raise _SwarmMismatch(f"swarm {theirs.swarm!r} is not {swarm!r}")
+            except HandshakeError as exc:
+                _refuse(transport, exc)
+                raise
+            init_hello, resp_hello = (ours, theirs) if initiator else (theirs, ours)
+            transcript = transcript_hash(init_hello, resp_hello)
+            await transport.send_frame(
+                make_auth(identity, transcript, initiator=initiator, policy=policy)
+            )
+            auth = await transport.recv_frame()
+            try:
+                peer_id = verify_auth(
+                    auth,
+                    theirs,
+                    transcript,
+                    remote_is_initiator=not initiator,
+                    policy=policy,
+                    expected_peer=expected_peer,
+                )
+            except (HandshakeError, RemoteProtocolError) as exc:
+                if auth.type is not FrameType.REFUSE:
+                    _refuse(transport, exc)
+                raise
+    except TimeoutError as exc:
+        raise TransportTimeoutError(
+            f"handshake with {transport.remote_address} timed out after {timeout:g} s"
+        ) from exc
+    return HandshakeResult(peer_id, theirs.public_key, theirs.stream_window)
+
+
+def _refuse(transport: FrameTransport, exc: P2PTrainError) -> None:
+    if transport.closed:
+        return
+    fields = {"c": _refusal_code(exc), "m": str(exc)}
+    transport.send_frame_nowait(Frame(FrameType.REFUSE, fields=fields))

@@ -1,0 +1,1 @@
+"""A peer on the network: listener, connection pool and RPC handlers."""

@@ -1,0 +1,42 @@
+"""Configuration of a node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from p2ptrain.errors import ConfigError
+from p2ptrain.handshake import AdmissionPolicy
+from p2ptrain.rpc.config import ConnectionConfig
+
+__all__ = ["NodeConfig"]
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """How a node listens, dials and admits peers.
+
+    Attributes:
+        host: interface to listen on.
+        port: port to listen on (0 picks a free one).
+        announce_host: the host others should dial (defaults to ``host``).
+        swarm: name of the swarm; peers of different swarms refuse each other.
+        admission: shared secret and/or public-key allowlist required of peers.
+        connection: limits and timings of every connection.
+        dial_timeout: seconds to open a TCP connection.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce_host: str | None = None
+    swarm: str = "p2ptrain"
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    connection: ConnectionConfig = field(default_factory=ConnectionConfig)
+    dial_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port {self.port} is out of range")
+        if not self.swarm or len(self.swarm) > 256:
+            raise ConfigError("swarm must be a name of 1 to 256 characters")
+        if not self.dial_timeout > 0:
+            raise ConfigError("dial_timeout must be positive")

@@ -1,0 +1,220 @@
+"""A node: one identity, one listener, a pool of authenticated connections.
+
+The pool keeps at most one connection per remote peer and reuses it for every
+call; concurrent dials to the same peer share one attempt; a connection that
+closes leaves the pool; idle ones close themselves (see
+:class:`~p2ptrain.rpc.connection.Connection`). Inbound connections that fail
+the handshake are logged once and dropped; they never disturb the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from p2ptrain.errors import HandshakeError, RemoteProtocolError, TransportError
+from p2ptrain.handshake import perform_handshake
+from p2ptrain.identity import Identity, PeerID
+from p2ptrain.node.address import PeerAddress
+from p2ptrain.node.config import NodeConfig
+from p2ptrain.rpc.connection import Connection
+from p2ptrain.rpc.handlers import HandlerTable, Message
+from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.transport.base import FrameTransport
+from p2ptrain.transport.tcp import TCPListener, TCPTransport, tcp_connect, tcp_listen
+from p2ptrain.wire.frames import Buffer
+
+__all__ = ["Node"]
+
+logger = logging.getLogger(__name__)
+
+
+class Node:
+    """A peer: serves RPC handlers and calls other peers by address.
+
+    Use as ``async with Node(identity=..., config=...) as node:``, or call
+    :meth:`start` and :meth:`aclose` yourself.
+    """
+
+    def __init__(
+        self,
+        *,
+        identity: Identity | None = None,
+        config: NodeConfig | None = None,
+        handlers: HandlerTable | None = None,
+    ) -> None:
+        self.identity = identity or Identity.generate()
+        self.config = config or NodeConfig()
+        self.handlers = handlers or HandlerTable()
+        self._listener: TCPListener | None = None
+        self._by_peer: dict[PeerID, Connection] = {}
+        self._all: set[Connection] = set()
+        self._dials: dict[str, asyncio.Task[Connection]] = {}
+        self._accepts: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    @property
+    def peer_id(self) -> PeerID:
+        """This node's PeerID."""
+        return self.identity.peer_id
+
+    @property
+    def address(self) -> PeerAddress:
+        """The address other peers dial to reach this node."""
+        if self._listener is None:
+            raise RuntimeError("the node is not started")
+        host = self.config.announce_host or self.config.host
+        return PeerAddress(host, self._listener.port, self.peer_id)
+
+    async def start(self) -> None:
+        """Start listening."""
+        conn = self.config.connection
+        self._listener = await tcp_listen(
+            self.config.host,
+            self.config.port,
+            self._on_inbound,
+            max_frame_bytes=conn.max_frame_bytes,
+            max_header_bytes=conn.max_header_bytes,
+            write_high_water=conn.write_high_water,
+        )
+        logger.info("node %s listening on %s", self.peer_id.short, self.address.endpoint)
+
+    async def __aenter__(self) -> Node:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- connections -------------------------------------------------------------------
+
+    def connections(self) -> list[Connection]:
+        """The live connections of the pool."""
+        return [c for c in self._by_peer.values() if not c.closed]
+
+    def connection_to(self, peer_id: PeerID) -> Connection | None:
+        """The live pooled connection to ``peer_id``, if any."""
+        conn = self._by_peer.get(peer_id)
+        return conn if conn is not None and not conn.closed and not conn.going_away else None
+
+    async def connect(self, target: PeerAddress | str) -> Connection:
+        """The pooled connection to ``target``, dialing it if needed."""
+        address = PeerAddress.parse(target) if isinstance(target, str) else target
+        if address.peer_id is not None:
+            existing = self.connection_to(address.peer_id)
+            if existing is not None:
+                return existing
+        key = str(address.peer_id) if address.peer_id is not None else address.endpoint
+        task = self._dials.get(key)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._dial(address), name=f"dial:{key}")
+            self._dials[key] = task
+            task.add_done_callback(lambda _t: self._dials.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def call(
+        self,
+        target: PeerAddress | str,
+        method: str,
+        body: Any = None,
+        payload: Buffer = b"",
+        *,
+        timeout: float | None = None,
+    ) -> Message:
+        """Unary call to ``method`` on ``target`` (see Connection.call)."""
+        conn = await self.connect(target)
+        return await conn.call(method, body, payload, timeout=timeout)
+
+    async def open_stream(
+        self, target: PeerAddress | str, method: str, *, timeout: float | None = None
+    ) -> RPCStream:
+        """Open a stream to ``method`` on ``target``."""
+        conn = await self.connect(target)
+        return await conn.open_stream(method, timeout=timeout)
+
+    async def aclose(self) -> None:
+        """Stop listening and close every connection."""
+        self._closing = True
+        if self._listener is not None:
+            await self._listener.aclose()
+        for task in [*self._dials.values(), *self._accepts]:
+            task.cancel()
+        await asyncio.gather(*self._dials.values(), *self._accepts, return_exceptions=True)
+        await asyncio.gather(
+            *(conn.aclose() for conn in list(self._all)), return_exceptions=True
+        )
+        self._by_peer.clear()
+        self._all.clear()
+
+    # -- internals ---------------------------------------------------------------------
+
+    async def _dial(self, address: PeerAddress) -> Connection:
+        conn_config = self.config.connection
+        transport = await tcp_connect(
+            address.host,
+            address.port,
+            timeout=self.config.dial_timeout,
+            max_frame_bytes=conn_config.max_frame_bytes,
+            max_header_bytes=conn_config.max_header_bytes,
+            write_high_water=conn_config.write_high_water,
+        )
+        return await self._secure(transport, initiator=True, expected=address.peer_id)
+
+    def _on_inbound(self, transport: TCPTransport) -> None:
+        if self._closing:
+            transport.close()
+            return
+        task = asyncio.get_running_loop().create_task(self._accept(transport), name="accept")
+        self._accepts.add(task)
+        task.add_done_callback(self._accepts.discard)
+
+    async def _accept(self, transport: TCPTransport) -> None:
+        await transport.connected.wait()
+        try:
+            await self._secure(transport, initiator=False, expected=None)
+        except (HandshakeError, RemoteProtocolError, TransportError) as exc:
+            logger.warning("refused connection from %s: %s", transport.remote_address, exc)
+
+    async def _secure(
+        self, transport: FrameTransport, *, initiator: bool, expected: PeerID | None
+    ) -> Connection:
+        """Run the handshake on a fresh transport and add the connection to the pool."""
+        conn_config = self.config.connection
+        secured = False
+        try:
+            result = await perform_handshake(
+                transport,
+                self.identity,
+                initiator=initiator,
+                swarm=self.config.swarm,
+                stream_window=conn_config.stream_window,
+                policy=self.config.admission,
+                expected_peer=expected,
+                timeout=conn_config.handshake_timeout,
+            )
+            secured = True
+        finally:
+            if not secured:
+                transport.close()
+        conn = Connection(
+            transport,
+            result,
+            initiator=initiator,
+            handlers=self.handlers,
+            config=conn_config,
+        )
+        self._adopt(conn)
+        return conn
+
+    def _adopt(self, conn: Connection) -> None:
+        self._all.add(conn)
+        if self.connection_to(conn.remote_peer) is None:
+            self._by_peer[conn.remote_peer] = conn
+        conn.on_close(self._forget)
+        logger.debug("connected to %s via %s", conn.remote_peer.short, conn.path)
+
+    def _forget(self, conn: Connection) -> None:
+        self._all.discard(conn)
+        if self._by_peer.get(conn.remote_peer) is conn:
+            del self._by_peer[conn.remote_peer]

@@ -1,0 +1,435 @@
+"""An authenticated connection multiplexing many RPC streams over one transport.
+
+Theory of operation
+-------------------
+After the handshake a :class:`Connection` owns its
+:class:`~p2ptrain.transport.base.FrameTransport` and receives every frame.
+Streams opened by the dialing side (the initiator) have odd ids, the others
+even; ids only grow, so a frame for an unknown id below the highest seen is a
+late frame for a finished stream and is dropped, while one above it is a
+protocol violation.
+
+* ``OPEN {m: method, d: deadline ms}`` starts a stream; with ``FLAG_MESSAGE``
+  it also carries the first message (``b`` and the payload), with
+  ``FLAG_END`` the opener sends nothing more (a unary request is one frame).
+* ``DATA {b: body}`` + payload carries one message; ``FLAG_END`` half-closes.
+* ``END`` half-closes without a message; ``RESET {c: code, m: message}``
+  aborts the stream on both sides (cancellation, errors, deadlines).
+* ``WINDOW {n: bytes}`` returns flow-control credit (see :mod:`.stream`).
+* ``PING``/``PONG {n: nonce}`` measure liveness; ``GOAWAY`` announces a close.
+
+A protocol error confined to one stream resets that stream; a frame that
+breaks the connection's framing or state closes the connection. Either way
+the node keeps serving its other connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from p2ptrain.errors import (
+    ConnectionClosedError,
+    DeadlineExceededError,
+    MethodNotFoundError,
+    P2PTrainError,
+    ProtocolError,
+    RemoteProtocolError,
+    ResourceExhaustedError,
+    RPCError,
+    TransportTimeoutError,
+    UnavailableError,
+)
+from p2ptrain.handshake import HandshakeResult
+from p2ptrain.identity import PeerID
+from p2ptrain.rpc.config import ConnectionConfig
+from p2ptrain.rpc.handlers import CallContext, HandlerTable, Message, _Entry
+from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.transport.base import FrameTransport
+from p2ptrain.wire.frames import FLAG_END, FLAG_MESSAGE, Buffer, Frame, FrameType
+
+__all__ = ["Connection"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_METHOD = 128
+
+
+class Connection:
+    """An authenticated, multiplexed connection to one remote peer.
+
+    Upper layers use :meth:`call` and :meth:`open_stream`; they never see
+    whether the transport underneath is TCP or a WebRTC data channel.
+    """
+
+    def __init__(
+        self,
+        transport: FrameTransport,
+        remote: HandshakeResult,
+        *,
+        initiator: bool,
+        handlers: HandlerTable,
+        config: ConnectionConfig,
+    ) -> None:
+        self.transport = transport
+        self.remote_peer: PeerID = remote.peer_id
+        self.remote_public_key = remote.public_key
+        self.initiator = initiator
+        self._handlers = handlers
+        self._config = config
+        self._send_window = remote.stream_window
+        self._streams: dict[int, RPCStream] = {}
+        self._next_id = 1 if initiator else 2
+        self._highest_remote_id = 0
+        self._remote_parity = 0 if initiator else 1
+        self._handler_tasks: set[asyncio.Task[None]] = set()
+        self._pings: dict[int, asyncio.Future[None]] = {}
+        self._ping_ids = itertools.count(1)
+        self._loop = asyncio.get_running_loop()
+        self.last_received = self._loop.time()
+        self.idle_since: float | None = self._loop.time()
+        self.going_away = False
+        self._close_callbacks: list[Callable[[Connection], None]] = []
+        transport.set_receiver(self)
+        self._maintenance = self._loop.create_task(self._maintain(), name="conn-maintenance")
+
+    def __repr__(self) -> str:
+        return f"Connection({self.remote_peer.short} via {self.path}, {len(self._streams)} streams)"
+
+    # -- public API --------------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        """How the transport reached the peer (``tcp-direct``, ``webrtc-direct``, ...)."""
+        return self.transport.path
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is closed."""
+        return self.transport.closed
+
+    @property
+    def open_streams(self) -> int:
+        """Streams currently open on this connection."""
+        return len(self._streams)
+
+    def on_close(self, callback: Callable[[Connection], None]) -> None:
+        """Call ``callback(self)`` once when the connection closes."""
+        if self.closed:
+            callback(self)
+        else:
+            self._close_callbacks.append(callback)
+
+    async def open_stream(self, method: str, *, timeout: float | None = None) -> RPCStream:
+        """Open a stream to ``method`` on the remote; send and receive on it."""
+        stream = self._new_local_stream(method, timeout)
+        await self._send_open(stream, method, timeout, flags=0, message=None)
+        return stream
+
+    async def call(
+        self,
+        method: str,
+        body: Any = None,
+        payload: Buffer = b"",
+        *,
+        timeout: float | None = None,
+    ) -> Message:
+        """A unary call: send one request, return the one response.
+
+        Raises:
+            RPCError: typed by the remote's error code (MethodNotFoundError,
+                DeadlineExceededError, RemoteInternalError, ...).
+            UnavailableError: the connection dropped during the call.
+        """
+        stream = self._new_local_stream(method, timeout)
+        try:
+            await self._send_open(
+                stream, method, timeout, flags=FLAG_MESSAGE | FLAG_END, message=(body, payload)
+            )
+            return await stream.recv()
+        finally:
+            if not stream.finished:
+                stream.reset("cancelled", "caller gave up")
+
+    async def ping(self, timeout: float) -> float:
+        """Round-trip time in seconds of a PING, or TransportTimeoutError."""
+        nonce = next(self._ping_ids)
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        self._pings[nonce] = waiter
+        start = self._loop.time()
+        try:
+            self._send_control(Frame(FrameType.PING, fields={"n": nonce}))
+            async with asyncio.timeout(timeout):
+                await waiter
+        except TimeoutError as exc:
+            raise TransportTimeoutError(f"{self.remote_peer.short} did not answer a ping") from exc
+        finally:
+            self._pings.pop(nonce, None)
+        return self._loop.time() - start
+
+    async def aclose(self) -> None:
+        """Close: reset open streams, stop handlers, tear the transport down."""
+        if not self.closed:
+            try:
+                self._send_control(Frame(FrameType.GOAWAY, fields={"m": "closing"}))
+            except ConnectionClosedError:
+                pass
+        await self.transport.aclose()
+        await self._await_tasks()
+
+    # -- FrameReceiver -----------------------------------------------------------------
+
+    def frame_received(self, frame: Frame) -> None:
+        self.last_received = self._loop.time()
+        try:
+            self._dispatch(frame)
+        except RemoteProtocolError as exc:
+            logger.warning("closing connection to %s: %s", self.remote_peer.short, exc)
+            self.transport.close(exc)
+
+    def transport_lost(self, exc: P2PTrainError | None) -> None:
+        for stream in list(self._streams.values()):
+            stream._on_connection_lost(exc)
+        self._streams.clear()
+        for waiter in self._pings.values():
+            if not waiter.done():
+                waiter.set_exception(ConnectionClosedError("connection closed"))
+        for task in self._handler_tasks:
+            task.cancel()
+        if self._maintenance is not asyncio.current_task():
+            self._maintenance.cancel()
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    # -- dispatch ----------------------------------------------------------------------
+
+    def _dispatch(self, frame: Frame) -> None:
+        kind = frame.type
+        if kind is FrameType.OPEN:
+            self._on_open(frame)
+        elif kind in (FrameType.DATA, FrameType.END, FrameType.RESET, FrameType.WINDOW):
+            self._on_stream_frame(frame)
+        elif kind is FrameType.PING:
+            self._send_control(Frame(FrameType.PONG, fields={"n": frame.field("n")}))
+        elif kind is FrameType.PONG:
+            waiter = self._pings.get(frame.field("n"))
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        elif kind is FrameType.GOAWAY:
+            self.going_away = True
+        else:
+            raise RemoteProtocolError(f"unexpected {kind.name} frame after the handshake")
+
+    def _on_open(self, frame: Frame) -> None:
+        sid = frame.stream_id
+        if sid % 2 != self._remote_parity or sid <= self._highest_remote_id:
+            raise RemoteProtocolError(f"OPEN with invalid stream id {sid}")
+        self._highest_remote_id = sid
+        method = frame.field("m")
+        deadline_ms = frame.field("d")
+        if not isinstance(method, str) or not 0 < len(method) <= _MAX_METHOD:
+            self._send_reset(sid, "invalid_argument", "OPEN needs a method name")
+            return
+        if deadline_ms is not None and (
+            not isinstance(deadline_ms, int) or isinstance(deadline_ms, bool) or deadline_ms <= 0
+        ):
+            self._send_reset(sid, "invalid_argument", "deadline must be a positive integer")
+            return
+        if self.going_away or len(self._streams) >= self._config.max_streams:
+            self._send_reset(sid, ResourceExhaustedError.code, "too many open streams")
+            return
+        entry = self._handlers.lookup(method)
+        if entry is None:
+            self._send_reset(sid, MethodNotFoundError.code, f"no method {method!r}")
+            return
+        deadline = None if deadline_ms is None else self._loop.time() + deadline_ms / 1000
+        stream = self._register(sid, method, deadline)
+        if frame.flags & FLAG_MESSAGE:
+            stream._on_message(Message(frame.field("b"), frame.payload), frame.wire_size)
+        if frame.ends_stream:
+            stream._on_remote_end()
+        context = CallContext(self.remote_peer, method, deadline, self.path)
+        task = self._loop.create_task(self._serve(stream, entry, context), name=f"rpc:{method}")
+        stream.handler_task = task
+        self._handler_tasks.add(task)
+        task.add_done_callback(self._handler_tasks.discard)
+
+    def _on_stream_frame(self, frame: Frame) -> None:
+        sid = frame.stream_id
+        stream = self._streams.get(sid)
+        if stream is None:
+            if self._is_stale(sid):
+                return  # a late frame for a finished stream
+            raise RemoteProtocolError(f"{frame.type.name} for unknown stream {sid}")
+        kind = frame.type
+        try:
+            if kind is FrameType.DATA:
+                stream._on_message(Message(frame.field("b"), frame.payload), frame.wire_size)
+                if frame.ends_stream:
+                    stream._on_remote_end()
+            elif kind is FrameType.END:
+                stream._on_remote_end()
+            elif kind is FrameType.RESET:
+                code, message = frame.field("c"), frame.field("m")
+                stream._on_reset(
+                    code if isinstance(code, str) else "unknown",
+                    message if isinstance(message, str) else "",
+                )
+            else:
+                amount = frame.field("n")
+                if not isinstance(amount, int) or isinstance(amount, bool) or amount <= 0:
+                    raise RemoteProtocolError("WINDOW needs a positive integer")
+                stream._on_credit(amount)
+        except RemoteProtocolError as exc:
+            logger.warning(
+                "resetting stream %s (%s) from %s: %s",
+                sid,
+                stream.method,
+                self.remote_peer.short,
+                exc,
+            )
+            stream.reset(ResourceExhaustedError.code, str(exc))
+
+    def _is_stale(self, sid: int) -> bool:
+        if sid % 2 == self._remote_parity:
+            return 0 < sid <= self._highest_remote_id
+        return 0 < sid < self._next_id
+
+    # -- serving -----------------------------------------------------------------------
+
+    async def _serve(self, stream: RPCStream, entry: _Entry, context: CallContext) -> None:
+        try:
+            async with asyncio.timeout_at(stream.deadline):
+                if entry.streaming:
+                    await entry.handler(context, stream)  # type: ignore[arg-type]
+                    if not stream.finished and not stream._local_ended:
+                        await stream.end()
+                else:
+                    request = await stream.recv()
+                    response = await entry.handler(context, request)  # type: ignore[arg-type]
+                    if not isinstance(response, Message):
+                        raise TypeError(f"unary handler {context.method!r} must return a Message")
+                    await stream.send(response.body, response.payload, end=True)
+        except TimeoutError:
+            stream.reset(DeadlineExceededError.code, "deadline passed on the server")
+        except RPCError as exc:
+            stream.reset(exc.code, exc.message)
+        except ProtocolError as exc:
+            stream.reset("invalid_argument", str(exc))
+        except P2PTrainError as exc:
+            stream.reset(UnavailableError.code, str(exc))
+        except Exception as exc:
+            logger.exception("handler %r failed", context.method)
+            stream.reset("internal", f"{type(exc).__name__}: {exc}")
+
+    async def _await_tasks(self) -> None:
+        tasks = [*self._handler_tasks, self._maintenance]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _maintain(self) -> None:
+        """Keepalive PINGs while the remote is silent; close when idle too long."""
+        interval = self._config.keepalive_interval
+        misses = 0
+        while not self.closed:
+            await asyncio.sleep(interval)
+            now = self._loop.time()
+            if self._streams:
+                self.idle_since = None
+            elif self.idle_since is None:
+                self.idle_since = now
+            elif now - self.idle_since >= self._config.idle_timeout:
+                logger.debug("closing idle connection to %s", self.remote_peer.short)
+                await self.aclose()
+                return
+            if now - self.last_received < interval:
+                misses = 0
+                continue
+            try:
+                await self.ping(timeout=interval)
+                misses = 0
+            except TransportTimeoutError as exc:
+                misses += 1
+                if misses >= self._config.keepalive_misses:
+                    logger.warning("%s stopped answering; closing", self.remote_peer.short)
+                    self.transport.close(exc)
+                    return
+            except ConnectionClosedError:
+                return
+
+    # -- sending -----------------------------------------------------------------------
+
+    def _new_local_stream(self, method: str, timeout: float | None) -> RPCStream:
+        if self.closed:
+            raise UnavailableError(f"connection to {self.remote_peer.short} is closed")
+        if self.going_away:
+            raise UnavailableError(f"{self.remote_peer.short} is closing the connection")
+        sid = self._next_id
+        self._next_id += 2
+        deadline = None if timeout is None else self._loop.time() + timeout
+        return self._register(sid, method, deadline)
+
+    def _register(self, sid: int, method: str, deadline: float | None) -> RPCStream:
+        stream = RPCStream(
+            self,
+            sid,
+            method,
+            send_window=self._send_window,
+            recv_window=self._config.stream_window,
+            max_frame_bytes=self._config.max_frame_bytes,
+            deadline=deadline,
+        )
+        self._streams[sid] = stream
+        self.idle_since = None
+        return stream
+
+    async def _send_open(
+        self,
+        stream: RPCStream,
+        method: str,
+        timeout: float | None,
+        *,
+        flags: int,
+        message: tuple[Any, Buffer] | None,
+    ) -> None:
+        fields: dict[str, Any] = {"m": method}
+        if timeout is not None:
+            fields["d"] = max(1, int(timeout * 1000))
+        payload: Buffer = b""
+        if message is not None:
+            body, payload = message
+            if body is not None:
+                fields["b"] = body
+        frame = Frame(FrameType.OPEN, stream.stream_id, flags, fields, payload)
+        stream._credit -= await self._send_stream_frame(stream, frame)
+        if flags & FLAG_END:
+            stream._set_local_ended()
+
+    async def _send_stream_frame(self, stream: RPCStream, frame: Frame) -> int:
+        try:
+            return await self.transport.send_frame(frame)
+        except ConnectionClosedError as exc:
+            stream._on_connection_lost(exc)
+            raise UnavailableError(f"connection to {self.remote_peer.short} closed") from exc
+
+    def _send_control(self, frame: Frame) -> None:
+        self.transport.send_frame_nowait(frame)
+
+    def _send_window_update(self, sid: int, amount: int) -> None:
+        self._send_control(Frame(FrameType.WINDOW, sid, fields={"n": amount}))
+
+    def _send_reset(self, sid: int, code: str, message: str) -> None:
+        if self.closed:
+            return
+        self._send_control(Frame(FrameType.RESET, sid, fields={"c": code, "m": message}))
+
+    def _maybe_forget(self, stream: RPCStream) -> None:
+        if stream.finished and self._streams.get(stream.stream_id) is stream:
+            del self._streams[stream.stream_id]
+            if not self._streams:
+                self.idle_since = self._loop.time()

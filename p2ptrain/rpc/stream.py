@@ -1,0 +1,239 @@
+"""One logical stream of an RPC connection, with credit-based flow control.
+
+Flow control: the receiver grants each stream a window of bytes (advertised in
+the handshake). The sender may send while its credit is positive (so one frame
+may overdraw it) and waits otherwise; the receiver gives credit back with
+WINDOW frames as the application consumes messages. A stream that nobody reads
+therefore holds at most ``window + max_frame`` bytes and never stalls the other
+streams of the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from p2ptrain.errors import (
+    ConnectionClosedError,
+    DeadlineExceededError,
+    LocalProtocolError,
+    P2PTrainError,
+    RemoteProtocolError,
+    StreamEndedError,
+    UnavailableError,
+    rpc_error_from_code,
+)
+from p2ptrain.rpc.handlers import Message
+from p2ptrain.wire.frames import FLAG_END, Buffer, Frame, FrameType
+
+if TYPE_CHECKING:
+    from p2ptrain.rpc.connection import Connection
+
+__all__ = ["RPCStream"]
+
+
+class RPCStream:
+    """A bidirectional stream of messages; obtained from a Connection or a handler.
+
+    ``send`` and ``recv`` honour the stream's deadline; ``async for message in
+    stream`` reads until the remote half-closes. Use ``async with`` (or call
+    :meth:`aclose`) so an abandoned stream is reset on the remote too.
+    """
+
+    def __init__(
+        self,
+        connection: Connection,
+        stream_id: int,
+        method: str,
+        *,
+        send_window: int,
+        recv_window: int,
+        max_frame_bytes: int,
+        deadline: float | None,
+    ) -> None:
+        self._conn = connection
+        self.stream_id = stream_id
+        self.method = method
+        self.deadline = deadline
+        self._recv_window = recv_window
+        self._recv_limit = recv_window + max_frame_bytes
+        self._queue: deque[tuple[Message, int]] = deque()
+        self._recv_waiter: asyncio.Future[None] | None = None
+        self._outstanding = 0  # bytes received and not yet credited back
+        self._uncredited = 0  # consumed bytes waiting to be credited back
+        self._credit = send_window
+        self._credit_waiter: asyncio.Future[None] | None = None
+        self._send_lock = asyncio.Lock()
+        self._remote_ended = False
+        self._local_ended = False
+        self._error: P2PTrainError | None = None
+        self.handler_task: asyncio.Task[None] | None = None
+
+    # -- public API --------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """Both sides are done (or the stream was reset)."""
+        return self._error is not None or (self._local_ended and self._remote_ended)
+
+    @property
+    def remote_ended(self) -> bool:
+        """The remote will send no more messages."""
+        return self._remote_ended
+
+    async def send(self, body: Any = None, payload: Buffer = b"", *, end: bool = False) -> None:
+        """Send one message; with ``end=True`` also half-close our side."""
+        async with self._send_lock:
+            self._check_can_send()
+            while self._credit <= 0:
+                await self._wait("_credit_waiter")
+                self._check_can_send()
+            fields = {"b": body} if body is not None else None
+            frame = Frame(FrameType.DATA, self.stream_id, FLAG_END if end else 0, fields, payload)
+            self._credit -= await self._conn._send_stream_frame(self, frame)
+            if end:
+                self._set_local_ended()
+
+    async def end(self) -> None:
+        """Half-close: tell the remote we send nothing more."""
+        async with self._send_lock:
+            self._check_can_send()
+            await self._conn._send_stream_frame(self, Frame(FrameType.END, self.stream_id))
+            self._set_local_ended()
+
+    async def recv(self) -> Message:
+        """The next message.
+
+        Raises:
+            StreamEndedError: the remote half-closed and every message was read.
+            RPCError: the remote reset the stream (typed by its code), or the
+                deadline passed (DeadlineExceededError).
+            UnavailableError: the connection dropped.
+        """
+        while not self._queue:
+            if self._error is not None:
+                raise self._error
+            if self._remote_ended:
+                raise StreamEndedError(f"stream {self.method!r} ended")
+            await self._wait("_recv_waiter")
+        message, size = self._queue.popleft()
+        self._uncredited += size
+        if not self._remote_ended and (
+            not self._queue or self._uncredited >= self._recv_window // 2
+        ):
+            self._give_credit()
+        return message
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Message]:
+        while True:
+            try:
+                yield await self.recv()
+            except StreamEndedError:
+                return
+
+    def reset(self, code: str = "cancelled", message: str = "") -> None:
+        """Abort the stream on both sides (never blocks)."""
+        if self.finished:
+            return
+        self._fail(rpc_error_from_code(code, message or "reset locally"))
+        self._conn._send_reset(self.stream_id, code, message)
+
+    async def aclose(self) -> None:
+        """Reset the stream unless both sides already finished cleanly."""
+        if not self.finished:
+            self.reset("cancelled", "stream closed by its owner")
+
+    async def __aenter__(self) -> RPCStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- called by the connection ------------------------------------------------------
+
+    def _on_message(self, message: Message, size: int) -> None:
+        if self._remote_ended:
+            raise RemoteProtocolError("DATA after the remote ended the stream")
+        self._outstanding += size
+        if self._outstanding > self._recv_limit:
+            raise RemoteProtocolError(
+                f"remote overran the stream window ({self._outstanding} > {self._recv_limit})"
+            )
+        self._queue.append((message, size))
+        _wake(self._recv_waiter)
+
+    def _on_remote_end(self) -> None:
+        self._remote_ended = True
+        _wake(self._recv_waiter)
+        self._conn._maybe_forget(self)
+
+    def _on_reset(self, code: str, message: str) -> None:
+        if self._error is None:
+            self._fail(rpc_error_from_code(code, message))
+
+    def _on_credit(self, amount: int) -> None:
+        self._credit += amount
+        _wake(self._credit_waiter)
+
+    def _on_connection_lost(self, exc: P2PTrainError | None) -> None:
+        if self._error is None:
+            error = UnavailableError(f"connection lost: {exc}" if exc else "connection closed")
+            error.__cause__ = exc
+            self._fail(error)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _fail(self, error: P2PTrainError) -> None:
+        self._error = error
+        _wake(self._recv_waiter)
+        _wake(self._credit_waiter)
+        self._conn._maybe_forget(self)
+        task = self.handler_task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    def _check_can_send(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._local_ended:
+            raise LocalProtocolError("cannot send after ending the stream")
+
+    def _set_local_ended(self) -> None:
+        self._local_ended = True
+        self._conn._maybe_forget(self)
+
+    def _give_credit(self) -> None:
+        amount, self._uncredited = self._uncredited, 0
+        if amount <= 0:
+            return
+        self._outstanding -= amount
+        try:
+            self._conn._send_window_update(self.stream_id, amount)
+        except ConnectionClosedError:
+            pass  # the stream fails through transport_lost
+
+    async def _wait(self, slot: str) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        setattr(self, slot, waiter)
+        try:
+            if self.deadline is None:
+                await waiter
+            else:
+                async with asyncio.timeout_at(self.deadline):
+                    await waiter
+        except TimeoutError:
+            self.reset("deadline_exceeded", "deadline passed")
+            raise DeadlineExceededError(f"stream {self.method!r}: deadline passed") from None
+        finally:
+            setattr(self, slot, None)
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+

@@ -1,0 +1,154 @@
+"""The frame transport interface every path (TCP, WebRTC, relay) implements.
+
+A :class:`FrameTransport` moves whole frames (:mod:`p2ptrain.wire.frames`)
+between two endpoints. It knows nothing of identities or RPC: the handshake
+runs over it first (reading with :meth:`FrameTransport.recv_frame`), then a
+:class:`~p2ptrain.rpc.connection.Connection` takes it over by installing a
+:class:`FrameReceiver`, after which frames are pushed to the receiver as they
+arrive.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from p2ptrain.errors import ConnectionClosedError, P2PTrainError
+from p2ptrain.wire.frames import Frame
+
+__all__ = ["FrameReceiver", "FrameTransport", "TransportStats"]
+
+logger = logging.getLogger(__name__)
+
+
+class FrameReceiver(Protocol):
+    """Who gets a transport's frames once the handshake is done."""
+
+    def frame_received(self, frame: Frame) -> None:
+        """Called for every frame, in order, on the event loop."""
+
+    def transport_lost(self, exc: P2PTrainError | None) -> None:
+        """Called once when the transport closes; ``exc`` is None for a clean close."""
+
+
+@dataclass
+class TransportStats:
+    """Byte and frame counters of one transport."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames_sent: int = 0
+    frames_received: int = 0
+
+
+class FrameTransport(abc.ABC):
+    """A bidirectional, ordered, reliable channel of frames.
+
+    Subclasses call :meth:`_deliver` for each decoded frame and :meth:`_lost`
+    once when the channel closes, and implement the sending side.
+    """
+
+    path: str = "unknown"
+    """How this transport reached the peer, e.g. ``tcp-direct`` or ``webrtc-direct``."""
+
+    def __init__(self) -> None:
+        self.stats = TransportStats()
+        self._receiver: FrameReceiver | None = None
+        self._early: deque[Frame] = deque()
+        self._early_waiter: asyncio.Future[None] | None = None
+        self._close_exc: P2PTrainError | None = None
+        self._closed = False
+        self._closed_event = asyncio.Event()
+
+    # -- sending (implemented by subclasses) -------------------------------------------
+
+    @abc.abstractmethod
+    async def send_frame(self, frame: Frame) -> int:
+        """Send a frame, waiting while the send buffer is full; returns its wire size."""
+
+    @abc.abstractmethod
+    def send_frame_nowait(self, frame: Frame) -> int:
+        """Queue a frame without waiting (never blocks); returns its wire size."""
+
+    @abc.abstractmethod
+    def _abort(self) -> None:
+        """Tear down the underlying channel immediately."""
+
+    @property
+    @abc.abstractmethod
+    def remote_address(self) -> str:
+        """A printable address of the other end."""
+
+    # -- receiving ---------------------------------------------------------------------
+
+    async def recv_frame(self) -> Frame:
+        """The next frame; for use before a receiver is installed (the handshake)."""
+        if self._receiver is not None:
+            raise RuntimeError("recv_frame() is not available once a receiver is set")
+        while not self._early:
+            if self._closed:
+                raise self._close_exc or ConnectionClosedError("connection closed")
+            loop = asyncio.get_running_loop()
+            self._early_waiter = loop.create_future()
+            try:
+                await self._early_waiter
+            finally:
+                self._early_waiter = None
+        return self._early.popleft()
+
+    def set_receiver(self, receiver: FrameReceiver) -> None:
+        """Hand every frame from now on (and any queued ones) to ``receiver``."""
+        self._receiver = receiver
+        while self._early:
+            receiver.frame_received(self._early.popleft())
+        if self._closed:
+            receiver.transport_lost(self._close_exc)
+
+    def _deliver(self, frame: Frame) -> None:
+        self.stats.frames_received += 1
+        if self._receiver is not None:
+            self._receiver.frame_received(frame)
+            return
+        self._early.append(frame)
+        self._wake_early_waiter()
+
+    def _wake_early_waiter(self) -> None:
+        if self._early_waiter is not None and not self._early_waiter.done():
+            self._early_waiter.set_result(None)
+
+    def _lost(self, exc: P2PTrainError | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close_exc = exc
+        self._closed_event.set()
+        self._wake_early_waiter()
+        if self._receiver is not None:
+            self._receiver.transport_lost(exc)
+
+    # -- closing -----------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether the transport has closed."""
+        return self._closed
+
+    def close(self, exc: P2PTrainError | None = None) -> None:
+        """Close now; queued outgoing data may be lost."""
+        if self._closed:
+            return
+        self._abort()
+        self._lost(exc)
+
+    async def wait_closed(self) -> None:
+        """Wait until the transport has closed."""
+        await self._closed_event.wait()
+
+    async def aclose(self) -> None:
+        """Close and wait until the channel is torn down."""
+        self.close()
+        await self.wait_closed()

@@ -1,0 +1,235 @@
+"""Frames over TCP (asyncio protocol; uvloop when the loop is uvloop).
+
+Incoming bytes go through a :class:`~p2ptrain.wire.frames.FrameDecoder` fed by
+a buffered protocol: when a large payload is being filled, the kernel copies
+straight into the payload's final buffer. Outgoing frames are written with
+``writelines`` so a tensor payload is not copied before the socket sees it;
+:meth:`TCPTransport.send_frame` waits while the write buffer is above its
+high-water mark, which is the backpressure the RPC layer builds on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from p2ptrain.errors import (
+    ConnectError,
+    ConnectionClosedError,
+    RemoteProtocolError,
+    TransportTimeoutError,
+)
+from p2ptrain.transport.base import FrameTransport
+from p2ptrain.wire.frames import Frame, FrameDecoder, buffer_nbytes, encode_frame
+
+__all__ = ["TCPListener", "TCPTransport", "tcp_connect", "tcp_listen"]
+
+logger = logging.getLogger(__name__)
+
+_READ_CHUNK = 256 * 1024
+
+
+class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
+    """One TCP connection carrying frames."""
+
+    def __init__(
+        self,
+        *,
+        max_frame_bytes: int,
+        max_header_bytes: int,
+        write_high_water: int,
+        path: str = "tcp-direct",
+    ) -> None:
+        FrameTransport.__init__(self)
+        self.path = path
+        self._decoder = FrameDecoder(
+            max_frame_bytes=max_frame_bytes, max_header_bytes=max_header_bytes
+        )
+        self._write_high_water = write_high_water
+        self._transport: asyncio.Transport | None = None
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._read_buffer = bytearray(_READ_CHUNK)
+        self._peername = "?"
+        self.connected = asyncio.Event()
+
+    # -- asyncio.BufferedProtocol --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not isinstance(transport, asyncio.Transport):  # pragma: no cover
+            raise TypeError("TCPTransport needs a stream transport")
+        self._transport = transport
+        transport.set_write_buffer_limits(high=self._write_high_water)
+        peer = transport.get_extra_info("peername")
+        self._peername = f"{peer[0]}:{peer[1]}" if peer else "?"
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover - not every socket supports it
+                pass
+        self.connected.set()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self._read_buffer)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.stats.bytes_received += nbytes
+        try:
+            self._decoder.feed(memoryview(self._read_buffer)[:nbytes])
+        except RemoteProtocolError as exc:
+            logger.warning("closing connection from %s: %s", self._peername, exc)
+            self.close(exc)
+            return
+        while (frame := self._decoder.next_frame()) is not None:
+            self._deliver(frame)
+            if self.closed:
+                return
+
+    def eof_received(self) -> bool | None:
+        self._lost(ConnectionClosedError(f"{self._peername} closed the connection"))
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._can_write.set()
+        if exc is None:
+            self._lost(ConnectionClosedError(f"connection to {self._peername} closed"))
+        else:
+            self._lost(ConnectionClosedError(f"connection to {self._peername} lost: {exc}"))
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    # -- FrameTransport ----------------------------------------------------------------
+
+    @property
+    def remote_address(self) -> str:
+        return self._peername
+
+    async def send_frame(self, frame: Frame) -> int:
+        if not self._can_write.is_set():
+            await self._can_write.wait()
+        return self.send_frame_nowait(frame)
+
+    def send_frame_nowait(self, frame: Frame) -> int:
+        transport = self._transport
+        if self.closed or transport is None or transport.is_closing():
+            raise self._close_exc or ConnectionClosedError("connection closed")
+        head, payload = encode_frame(frame)
+        payload_size = buffer_nbytes(payload)
+        if payload_size:
+            transport.writelines((head, payload))
+        else:
+            transport.write(head)
+        size = len(head) + payload_size
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += size
+        return size
+
+    def _abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    async def aclose(self) -> None:
+        """Flush what is queued, then close."""
+        transport = self._transport
+        if transport is not None and not self.closed:
+            transport.close()  # flushes the write buffer first
+            self._lost(None)
+        await self.wait_closed()
+
+
+def _make_transport_factory(
+    max_frame_bytes: int, max_header_bytes: int, write_high_water: int, path: str
+) -> Callable[[], TCPTransport]:
+    def factory() -> TCPTransport:
+        return TCPTransport(
+            max_frame_bytes=max_frame_bytes,
+            max_header_bytes=max_header_bytes,
+            write_high_water=write_high_water,
+            path=path,
+        )
+
+    return factory
+
+
+async def tcp_connect(
+    host: str,
+    port: int,
+    *,
+    timeout: float,
+    max_frame_bytes: int,
+    max_header_bytes: int,
+    write_high_water: int,
+    local_addr: tuple[str, int] | None = None,
+    path: str = "tcp-direct",
+) -> TCPTransport:
+    """Open a TCP connection and return its frame transport."""
+    loop = asyncio.get_running_loop()
+    factory = _make_transport_factory(max_frame_bytes, max_header_bytes, write_high_water, path)
+    kwargs: dict[str, Any] = {}
+    if local_addr is not None:
+        kwargs["local_addr"] = local_addr
+        kwargs["reuse_port"] = True
+    try:
+        async with asyncio.timeout(timeout):
+            _, protocol = await loop.create_connection(factory, host, port, **kwargs)
+    except TimeoutError as exc:
+        raise TransportTimeoutError(f"connecting to {host}:{port} timed out") from exc
+    except OSError as exc:
+        raise ConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
+    return protocol
+
+
+class TCPListener:
+    """A listening socket that hands each accepted transport to a callback."""
+
+    def __init__(self, server: asyncio.Server) -> None:
+        self._server = server
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """The (host, port) pairs the listener is bound to."""
+        return [sock.getsockname()[:2] for sock in self._server.sockets]
+
+    @property
+    def port(self) -> int:
+        """The bound port (the first socket's)."""
+        return self.addresses[0][1]
+
+    async def aclose(self) -> None:
+        """Stop accepting connections (existing ones stay open)."""
+        self._server.close()
+        await self._server.wait_closed()
+
+
+async def tcp_listen(
+    host: str,
+    port: int,
+    on_transport: Callable[[TCPTransport], None],
+    *,
+    max_frame_bytes: int,
+    max_header_bytes: int,
+    write_high_water: int,
+    reuse_port: bool = False,
+) -> TCPListener:
+    """Listen on ``host:port`` (port 0 picks one) and report each new transport."""
+    loop = asyncio.get_running_loop()
+    base = _make_transport_factory(max_frame_bytes, max_header_bytes, write_high_water, "tcp-direct")
+
+    def factory() -> TCPTransport:
+        transport = base()
+        loop.call_soon(on_transport, transport)
+        return transport
+
+    try:
+        server = await loop.create_server(factory, host, port, reuse_port=reuse_port or None)
+    except OSError as exc:
+        raise ConnectError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return TCPListener(server)

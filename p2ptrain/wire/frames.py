@@ -1,0 +1,300 @@
+"""Frames: the unit every p2ptrain connection carries.
+
+Theory of operation
+-------------------
+A connection is a sequence of frames. Each frame is::
+
+    +-----------------+-----------------+------------------+-------------------+
+    | length (u32 BE) | hlen (u32 BE)   | header (msgpack) | payload (raw)     |
+    +-----------------+-----------------+------------------+-------------------+
+                      |<------------------ length bytes ------------------->|
+
+``length`` counts everything after itself, ``hlen`` the header bytes. The
+header is a msgpack array ``[type, stream_id, flags, fields]`` and the payload
+is whatever raw bytes are left (tensor data; never pickled).
+
+:class:`FrameDecoder` is sans-IO: feed it bytes with :meth:`FrameDecoder.feed`
+and take complete frames with :meth:`FrameDecoder.next_frame`. It checks
+``length`` and ``hlen`` against its limits as soon as the 8-byte prefix has
+arrived, before buffering anything else, so a peer announcing a 4 GB frame is
+refused without allocating it. A large payload is copied once, from the bytes
+given to ``feed`` straight into a buffer of its final size.
+
+Any violation raises a :class:`~p2ptrain.errors.RemoteProtocolError`; the
+decoder is then unusable and the connection must be closed.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from p2ptrain.errors import (
+    ConfigError,
+    FrameTooLargeError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
+
+__all__ = [
+    "FLAG_END",
+    "FLAG_MESSAGE",
+    "PREFIX",
+    "Buffer",
+    "Frame",
+    "buffer_nbytes",
+    "FrameDecoder",
+    "FrameType",
+    "encode_frame",
+    "pack_body",
+    "unpack_body",
+]
+
+Buffer = bytes | bytearray | memoryview
+
+PREFIX = struct.Struct(">II")
+_MAX_STREAM_ID = 2**32 - 1
+_MAX_FLAGS = 0xFFFF
+
+FLAG_END = 0x1
+"""On OPEN or DATA: the sender sends nothing more on this stream (half-close)."""
+
+FLAG_MESSAGE = 0x2
+"""On OPEN: the frame also carries the stream's first message (``b`` and payload)."""
+
+
+class FrameType(enum.IntEnum):
+    """Frame types. Handshake frames come first on a connection, then the rest."""
+
+    HELLO = 1
+    AUTH = 2
+    REFUSE = 3
+    OPEN = 16
+    DATA = 17
+    END = 18
+    RESET = 19
+    WINDOW = 20
+    PING = 32
+    PONG = 33
+    GOAWAY = 34
+
+
+_KNOWN_TYPES = frozenset(int(t) for t in FrameType)
+
+
+@dataclass(slots=True)
+class Frame:
+    """One decoded or to-be-encoded frame."""
+
+    type: FrameType
+    stream_id: int = 0
+    flags: int = 0
+    fields: Mapping[str, Any] | None = None
+    payload: Buffer = b""
+    wire_size: int = 0
+    """Bytes the frame took on the wire (set by the decoder)."""
+
+    @property
+    def ends_stream(self) -> bool:
+        """Whether the sender half-closes the stream with this frame."""
+        return bool(self.flags & FLAG_END)
+
+    def field(self, name: str, default: Any = None) -> Any:
+        """A header field, or ``default`` when absent."""
+        if self.fields is None:
+            return default
+        return self.fields.get(name, default)
+
+
+def buffer_nbytes(buf: Buffer) -> int:
+    """Size in bytes of a bytes-like object (a memoryview may have wide items)."""
+    return buf.nbytes if isinstance(buf, memoryview) else len(buf)
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def pack_body(obj: Any) -> bytes:
+    """Encode a message body with msgpack (bin and str types kept apart)."""
+    try:
+        return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError(f"cannot encode message body: {exc}") from exc
+
+
+def unpack_body(data: Buffer, *, max_bytes: int) -> Any:
+    """Decode a msgpack body from the network, refusing extensions and huge input."""
+    if len(data) > max_bytes:
+        raise FrameTooLargeError(f"message body of {len(data)} bytes exceeds {max_bytes}")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            timestamp=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+        raise RemoteProtocolError(f"malformed msgpack: {exc}") from exc
+
+
+def encode_frame(frame: Frame) -> tuple[bytes, Buffer]:
+    """Encode a frame as (prefix + header, payload), ready for ``writelines``.
+
+    The payload is not copied.
+    """
+    if frame.stream_id < 0 or frame.stream_id > _MAX_STREAM_ID:
+        raise LocalProtocolError(f"stream id {frame.stream_id} out of range")
+    header = pack_body(
+        [int(frame.type), frame.stream_id, frame.flags, dict(frame.fields or {})]
+    )
+    payload = frame.payload
+    payload_len = buffer_nbytes(payload)
+    length = PREFIX.size - 4 + len(header) + payload_len
+    if length > 0xFFFFFFFF:
+        raise LocalProtocolError(f"frame of {length} bytes cannot be encoded")
+    return PREFIX.pack(length, len(header)) + header, payload
+
+
+def _parse_header(header: Any) -> tuple[FrameType, int, int, dict[str, Any]]:
+    if not isinstance(header, list) or len(header) != 4:
+        raise RemoteProtocolError("frame header must be an array of 4 items")
+    ftype, stream_id, flags, fields = header
+    if not isinstance(ftype, int) or isinstance(ftype, bool):
+        raise RemoteProtocolError("frame type must be an integer")
+    if ftype not in _KNOWN_TYPES:
+        raise RemoteProtocolError(f"unknown frame type {ftype}")
+    if not isinstance(stream_id, int) or isinstance(stream_id, bool):
+        raise RemoteProtocolError("stream id must be an integer")
+    if not 0 <= stream_id <= _MAX_STREAM_ID:
+        raise RemoteProtocolError(f"stream id {stream_id} out of range")
+    if not isinstance(flags, int) or isinstance(flags, bool) or not 0 <= flags <= _MAX_FLAGS:
+        raise RemoteProtocolError("frame flags must be a 16-bit integer")
+    if not isinstance(fields, dict) or not all(isinstance(k, str) for k in fields):
+        raise RemoteProtocolError("frame fields must be a map with string keys")
+    return FrameType(ftype), stream_id, flags, fields
+
+
+class FrameDecoder:
+    """Incremental, sans-IO frame decoder.
+
+    Args:
+        max_frame_bytes: largest ``length`` accepted (header + payload + 4).
+        max_header_bytes: largest msgpack header accepted.
+    """
+
+    def __init__(self, *, max_frame_bytes: int, max_header_bytes: int = 1 << 20) -> None:
+        if max_frame_bytes < PREFIX.size:
+            raise ConfigError("max_frame_bytes is too small")
+        if not 0 < max_header_bytes <= max_frame_bytes:
+            raise ConfigError("max_header_bytes must be in (0, max_frame_bytes]")
+        self.max_frame_bytes = max_frame_bytes
+        self.max_header_bytes = max_header_bytes
+        self._pending = bytearray()  # prefix and header bytes not yet parsed
+        self._frames: deque[Frame] = deque()
+        self._partial: Frame | None = None  # header parsed, payload being filled
+        self._payload: bytearray | None = None
+        self._filled = 0
+        self._failed: RemoteProtocolError | None = None
+        self.bytes_received = 0
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for frames not yet complete."""
+        return len(self._pending) + self._filled
+
+    def feed(self, data: Buffer) -> None:
+        """Add bytes from the network. Raises RemoteProtocolError on bad input."""
+        if self._failed is not None:
+            raise self._failed
+        view = memoryview(data).cast("B")
+        self.bytes_received += len(view)
+        try:
+            self._consume(view)
+        except RemoteProtocolError as exc:
+            self._failed = exc
+            raise
+
+    def next_frame(self) -> Frame | None:
+        """The next complete frame, or None if more bytes are needed."""
+        if self._frames:
+            return self._frames.popleft()
+        return None
+
+    def _consume(self, view: memoryview) -> None:
+        pos, end = 0, len(view)
+        while pos < end:
+            if self._payload is not None:
+                pos = self._fill_payload(view, pos)
+                continue
+            # Accumulate prefix + header in _pending; parse it when complete.
+            need = self._header_bytes_needed()
+            take = min(need - len(self._pending), end - pos)
+            self._pending += view[pos : pos + take]
+            pos += take
+            if len(self._pending) == need:
+                self._parse_pending()
+
+    def _header_bytes_needed(self) -> int:
+        if len(self._pending) < PREFIX.size:
+            return PREFIX.size
+        length, hlen = PREFIX.unpack_from(self._pending)
+        return PREFIX.size + hlen if hlen else PREFIX.size
+
+    def _parse_pending(self) -> None:
+        length, hlen = PREFIX.unpack_from(self._pending)
+        if len(self._pending) == PREFIX.size:
+            self._check_prefix(length, hlen)
+            if hlen:
+                return  # now wait for the header bytes
+        header_bytes = bytes(self._pending[PREFIX.size :])
+        self._pending.clear()
+        ftype, stream_id, flags, fields = _parse_header(
+            unpack_body(header_bytes, max_bytes=self.max_header_bytes)
+        )
+        payload_len = length - 4 - hlen
+        frame = Frame(ftype, stream_id, flags, fields, b"", length + 4)
+        if payload_len == 0:
+            self._frames.append(frame)
+            return
+        self._partial = frame
+        self._payload = bytearray(payload_len)
+        self._filled = 0
+
+    def _check_prefix(self, length: int, hlen: int) -> None:
+        if length + 4 > self.max_frame_bytes:
+            raise FrameTooLargeError(
+                f"frame of {length + 4} bytes exceeds the limit of {self.max_frame_bytes}"
+            )
+        if hlen == 0:
+            raise RemoteProtocolError("frame has an empty header")
+        if hlen > self.max_header_bytes:
+            raise FrameTooLargeError(
+                f"frame header of {hlen} bytes exceeds the limit of {self.max_header_bytes}"
+            )
+        if hlen > length - 4:
+            raise RemoteProtocolError(f"header length {hlen} exceeds frame length {length}")
+
+    def _fill_payload(self, view: memoryview, pos: int) -> int:
+        payload = self._payload
+        frame = self._partial
+        if payload is None or frame is None:  # pragma: no cover - guarded by caller
+            raise RuntimeError("decoder state corrupted")
+        take = min(len(payload) - self._filled, len(view) - pos)
+        payload[self._filled : self._filled + take] = view[pos : pos + take]
+        self._filled += take
+        if self._filled == len(payload):
+            frame.payload = payload
+            self._frames.append(frame)
+            self._partial = None
+            self._payload = None
+            self._filled = 0
+        return pos + take
