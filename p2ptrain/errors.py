@@ -27,7 +27,7 @@ translated at the I/O edge and chained with ``raise ... from``.
     │   ├── MethodNotFoundError          no handler for the method
     │   ├── InvalidArgumentError         the handler rejected the request
     │   ├── DeadlineExceededError        the call's deadline passed
-    │   ├── CancelledError_              the other side cancelled the stream
+    │   ├── RPCCancelledError            the other side cancelled the stream
     │   ├── ResourceExhaustedError       a limit was hit (size, rate, credit)
     │   ├── PermissionDeniedError        the caller is not allowed
     │   ├── UnavailableError             the peer is shutting down or unreachable
@@ -48,7 +48,6 @@ __all__ = [
     "AdmissionError",
     "AllReduceError",
     "AuthenticationError",
-    "CancelledError_",
     "ConfigError",
     "ConnectError",
     "ConnectionClosedError",
@@ -67,12 +66,13 @@ __all__ = [
     "PeerDroppedError",
     "PermissionDeniedError",
     "ProtocolError",
+    "RPCCancelledError",
     "RPCError",
-    "StreamEndedError",
     "RecordRejectedError",
     "RemoteInternalError",
     "RemoteProtocolError",
     "ResourceExhaustedError",
+    "StreamEndedError",
     "TensorFormatError",
     "TransportError",
     "TransportTimeoutError",
@@ -180,7 +180,7 @@ class DeadlineExceededError(RPCError):
     code = "deadline_exceeded"
 
 
-class CancelledError_(RPCError):  # noqa: N801 - trailing underscore avoids shadowing asyncio's
+class RPCCancelledError(RPCError):
     """The other side cancelled the stream."""
 
     code = "cancelled"
@@ -216,7 +216,7 @@ _RPC_ERRORS_BY_CODE: dict[str, type[RPCError]] = {
         MethodNotFoundError,
         InvalidArgumentError,
         DeadlineExceededError,
-        CancelledError_,
+        RPCCancelledError,
         ResourceExhaustedError,
         PermissionDeniedError,
         UnavailableError,

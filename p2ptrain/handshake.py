@@ -5,12 +5,16 @@ Theory of operation
 Both sides send HELLO at once, without waiting::
 
     HELLO {v: 1, pk: <32-byte Ed25519 public key>, n: <32 random bytes>,
-           sw: <swarm name>, w: <stream receive window>}
+           sw: <swarm name>, w: <stream receive window>, f: <max frame bytes>}
 
 When a side holds both HELLOs it computes the transcript::
 
     T = SHA-256("p2ptrain/handshake/v1" || u32(len(swarm)) || swarm
-                || pk_initiator || n_initiator || pk_responder || n_responder)
+                || for the initiator, then the responder:
+                   pk || n || u32(v) || u64(w) || u64(f))
+
+(``swarm`` as UTF-8 bytes; integers big-endian), so every HELLO field is
+authenticated.
 
 and sends AUTH ``{s: Sign(role || T), a: admission proof}`` where ``role`` is
 ``b"initiator"`` or ``b"responder"`` (so a signature cannot be reflected back
@@ -20,9 +24,12 @@ a shared secret, is ``HMAC-SHA256(secret, b"admission" || role || T)``: it
 proves knowledge of the secret without revealing it and is bound to this
 session as well.
 
-A side that refuses the other sends ``REFUSE {c: code, m: message}`` before
-closing, so the refused peer learns why. Codes: ``authentication``,
-``admission``, ``swarm``, ``version``, ``protocol``.
+Each side that accepts the other's AUTH then sends ``ACCEPT {}``, and the
+handshake completes only when both ACCEPTs have crossed, so neither side
+believes it is connected while the other refuses. A side that refuses sends
+``REFUSE {c: code, m: message}`` instead and closes, so the refused peer learns
+why. Codes: ``authentication``, ``admission``, ``swarm``, ``version``,
+``protocol``.
 """
 
 from __future__ import annotations
@@ -51,8 +58,8 @@ from p2ptrain.wire.frames import Frame, FrameType
 __all__ = [
     "PROTOCOL_VERSION",
     "AdmissionPolicy",
-    "Hello",
     "HandshakeResult",
+    "Hello",
     "admission_proof",
     "perform_handshake",
     "transcript_hash",
@@ -79,9 +86,10 @@ class AdmissionPolicy:
     def __post_init__(self) -> None:
         if self.secret is not None and len(self.secret) < 16:
             raise ConfigError("an admission secret must be at least 16 bytes")
-        if self.allowlist is not None:
-            if any(len(key) != PUBLIC_KEY_BYTES for key in self.allowlist):
-                raise ConfigError("allowlist entries must be 32-byte Ed25519 public keys")
+        if self.allowlist is not None and any(
+            len(key) != PUBLIC_KEY_BYTES for key in self.allowlist
+        ):
+            raise ConfigError("allowlist entries must be 32-byte Ed25519 public keys")
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,7 @@ class Hello:
     nonce: bytes
     swarm: str
     stream_window: int
+    max_frame_bytes: int
     version: int = PROTOCOL_VERSION
 
     def to_frame(self) -> Frame:
@@ -102,6 +111,7 @@ class Hello:
             "n": self.nonce,
             "sw": self.swarm,
             "w": self.stream_window,
+            "f": self.max_frame_bytes,
         }
         return Frame(FrameType.HELLO, fields=fields)
 
@@ -113,7 +123,7 @@ class Hello:
         if frame.type is not FrameType.HELLO:
             raise RemoteProtocolError(f"expected HELLO, got {frame.type.name}")
         version, pk, nonce = frame.field("v"), frame.field("pk"), frame.field("n")
-        swarm, window = frame.field("sw"), frame.field("w")
+        swarm, window, max_frame = frame.field("sw"), frame.field("w"), frame.field("f")
         if not isinstance(version, int) or isinstance(version, bool):
             raise RemoteProtocolError("HELLO: version must be an integer")
         if not isinstance(pk, bytes) or len(pk) != PUBLIC_KEY_BYTES:
@@ -122,9 +132,15 @@ class Hello:
             raise RemoteProtocolError("HELLO: nonce must be 32 bytes")
         if not isinstance(swarm, str) or len(swarm) > _MAX_SWARM_NAME:
             raise RemoteProtocolError("HELLO: swarm must be a short string")
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1024:
-            raise RemoteProtocolError("HELLO: stream window must be an integer >= 1024")
-        return cls(pk, nonce, swarm, window, version)
+        if not _is_uint(window, 1024, 2**63) or not _is_uint(max_frame, 4096, 2**32):
+            raise RemoteProtocolError("HELLO: window (>= 1024) and frame limit (>= 4096) needed")
+        if len(swarm.encode("utf-8")) > _MAX_SWARM_NAME:
+            raise RemoteProtocolError("HELLO: swarm name too long")
+        return cls(pk, nonce, swarm, window, max_frame, version)
+
+
+def _is_uint(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 @dataclass(frozen=True)
@@ -135,6 +151,8 @@ class HandshakeResult:
     public_key: bytes
     stream_window: int
     """The remote's per-stream receive window: how much we may send unacknowledged."""
+    max_frame_bytes: int
+    """The largest frame the remote accepts."""
 
 
 def transcript_hash(initiator: Hello, responder: Hello) -> bytes:
@@ -144,8 +162,11 @@ def transcript_hash(initiator: Hello, responder: Hello) -> bytes:
     digest.update(_DOMAIN)
     digest.update(struct.pack(">I", len(swarm)))
     digest.update(swarm)
-    digest.update(initiator.public_key + initiator.nonce)
-    digest.update(responder.public_key + responder.nonce)
+    for hello in (initiator, responder):
+        digest.update(hello.public_key + hello.nonce)
+        digest.update(
+            struct.pack(">IQQ", hello.version, hello.stream_window, hello.max_frame_bytes)
+        )
     return digest.digest()
 
 
@@ -221,18 +242,18 @@ def _refusal_code(exc: P2PTrainError) -> str:
         return "admission"
     if isinstance(exc, AuthenticationError):
         return "authentication"
-    if isinstance(exc, _SwarmMismatch):
+    if isinstance(exc, _SwarmMismatchError):
         return "swarm"
-    if isinstance(exc, _VersionMismatch):
+    if isinstance(exc, _VersionMismatchError):
         return "version"
     return "protocol"
 
 
-class _SwarmMismatch(HandshakeError):
+class _SwarmMismatchError(HandshakeError):
     pass
 
 
-class _VersionMismatch(HandshakeError):
+class _VersionMismatchError(HandshakeError):
     pass
 
 
@@ -243,6 +264,7 @@ async def perform_handshake(
     initiator: bool,
     swarm: str,
     stream_window: int,
+    max_frame_bytes: int,
     policy: AdmissionPolicy,
     expected_peer: PeerID | None = None,
     timeout: float,
@@ -255,18 +277,22 @@ async def perform_handshake(
         RemoteProtocolError: the remote sent malformed handshake frames.
         TransportTimeoutError: the handshake did not finish within ``timeout``.
     """
-    ours = Hello(identity.public_key, os.urandom(NONCE_BYTES), swarm, stream_window)
+    ours = Hello(
+        identity.public_key, os.urandom(NONCE_BYTES), swarm, stream_window, max_frame_bytes
+    )
     try:
         async with asyncio.timeout(timeout):
             await transport.send_frame(ours.to_frame())
-            theirs = Hello.from_frame(await transport.recv_frame())
+            first = await transport.recv_frame()
             try:
+                theirs = Hello.from_frame(first)
                 if theirs.version != PROTOCOL_VERSION:
-                    raise _VersionMismatch(f"unsupported protocol version {theirs.version}")
+                    raise _VersionMismatchError(f"unsupported protocol version {theirs.version}")
                 if theirs.swarm != swarm:
-                    raise _SwarmMismatch(f"swarm {theirs.swarm!r} is not {swarm!r}")
-            except HandshakeError as exc:
-                _refuse(transport, exc)
+                    raise _SwarmMismatchError(f"swarm {theirs.swarm!r} is not {swarm!r}")
+            except (HandshakeError, RemoteProtocolError) as exc:
+                if first.type is not FrameType.REFUSE:
+                    _refuse(transport, exc)
                 raise
             init_hello, resp_hello = (ours, theirs) if initiator else (theirs, ours)
             transcript = transcript_hash(init_hello, resp_hello)
@@ -287,11 +313,19 @@ async def perform_handshake(
                 if auth.type is not FrameType.REFUSE:
                     _refuse(transport, exc)
                 raise
+            await transport.send_frame(Frame(FrameType.ACCEPT))
+            verdict = await transport.recv_frame()
+            if verdict.type is FrameType.REFUSE:
+                raise _refusal_error(verdict)
+            if verdict.type is not FrameType.ACCEPT:
+                error = RemoteProtocolError(f"expected ACCEPT, got {verdict.type.name}")
+                _refuse(transport, error)
+                raise error
     except TimeoutError as exc:
         raise TransportTimeoutError(
             f"handshake with {transport.remote_address} timed out after {timeout:g} s"
         ) from exc
-    return HandshakeResult(peer_id, theirs.public_key, theirs.stream_window)
+    return HandshakeResult(peer_id, theirs.public_key, theirs.stream_window, theirs.max_frame_bytes)
 
 
 def _refuse(transport: FrameTransport, exc: P2PTrainError) -> None:
@@ -299,3 +333,4 @@ def _refuse(transport: FrameTransport, exc: P2PTrainError) -> None:
         return
     fields = {"c": _refusal_code(exc), "m": str(exc)}
     transport.send_frame_nowait(Frame(FrameType.REFUSE, fields=fields))
+    transport.close(exc, flush=True)  # deliver the reason, then hang up

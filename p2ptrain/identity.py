@@ -60,7 +60,10 @@ class PeerID:
             raise IdentityError(f"not a PeerID: {text!r}") from exc
         if len(digest) != _PEER_ID_BYTES:
             raise IdentityError(f"not a PeerID (wrong length): {text!r}")
-        return cls(digest)
+        peer_id = cls(digest)
+        if str(peer_id) != cleaned.lower():  # unused low bits must be zero
+            raise IdentityError(f"not a canonical PeerID: {text!r}")
+        return peer_id
 
     def __str__(self) -> str:
         return base64.b32encode(self.digest).decode("ascii").rstrip("=").lower()

@@ -47,13 +47,11 @@ class PeerAddress:
             port_text = rest[1:]
         else:
             host, sep, port_text = raw.rpartition(":")
-            if not sep:
-                raise ConfigError(f"bad address {text!r}: expected host:port")
-        try:
-            port = int(port_text)
-        except ValueError as exc:
-            raise ConfigError(f"bad port in address {text!r}") from exc
-        return cls(host, port, peer_id)
+            if not sep or ":" in host:
+                raise ConfigError(f"bad address {text!r}: expected host:port or [v6-host]:port")
+        if not port_text.isascii() or not port_text.isdigit() or len(port_text) > 5:
+            raise ConfigError(f"bad port in address {text!r}")
+        return cls(host, int(port_text), peer_id)
 
     @property
     def endpoint(self) -> str:

@@ -141,9 +141,7 @@ class Node:
         for task in [*self._dials.values(), *self._accepts]:
             task.cancel()
         await asyncio.gather(*self._dials.values(), *self._accepts, return_exceptions=True)
-        await asyncio.gather(
-            *(conn.aclose() for conn in list(self._all)), return_exceptions=True
-        )
+        await asyncio.gather(*(conn.aclose() for conn in list(self._all)), return_exceptions=True)
         self._by_peer.clear()
         self._all.clear()
 
@@ -189,6 +187,7 @@ class Node:
                 initiator=initiator,
                 swarm=self.config.swarm,
                 stream_window=conn_config.stream_window,
+                max_frame_bytes=conn_config.max_frame_bytes,
                 policy=self.config.admission,
                 expected_peer=expected,
                 timeout=conn_config.handshake_timeout,

@@ -23,8 +23,8 @@ class ConnectionConfig:
         write_high_water: send-buffer size at which senders start to wait.
         handshake_timeout: seconds a new connection has to finish the handshake.
         idle_timeout: seconds without open streams after which a connection closes.
-        keepalive_interval: seconds between PINGs while streams are open and the
-            remote is silent; a peer that misses ``keepalive_misses`` in a row is dropped.
+        keepalive_interval: seconds of silence from the remote after which a PING
+            is sent; a peer that misses ``keepalive_misses`` in a row is dropped.
         keepalive_misses: consecutive unanswered PINGs that close the connection.
     """
 

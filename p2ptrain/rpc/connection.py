@@ -26,6 +26,7 @@ the node keeps serving its other connections.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from p2ptrain.errors import (
     RemoteProtocolError,
     ResourceExhaustedError,
     RPCError,
+    StreamEndedError,
     TransportTimeoutError,
     UnavailableError,
 )
@@ -47,7 +49,7 @@ from p2ptrain.handshake import HandshakeResult
 from p2ptrain.identity import PeerID
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, HandlerTable, Message, _Entry
-from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.rpc.stream import FlowControlError, RPCStream
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.wire.frames import FLAG_END, FLAG_MESSAGE, Buffer, Frame, FrameType
 
@@ -81,6 +83,7 @@ class Connection:
         self._handlers = handlers
         self._config = config
         self._send_window = remote.stream_window
+        transport.max_send_frame = remote.max_frame_bytes
         self._streams: dict[int, RPCStream] = {}
         self._next_id = 1 if initiator else 2
         self._highest_remote_id = 0
@@ -173,10 +176,8 @@ class Connection:
     async def aclose(self) -> None:
         """Close: reset open streams, stop handlers, tear the transport down."""
         if not self.closed:
-            try:
+            with contextlib.suppress(ConnectionClosedError):
                 self._send_control(Frame(FrameType.GOAWAY, fields={"m": "closing"}))
-            except ConnectionClosedError:
-                pass
         await self.transport.aclose()
         await self._await_tasks()
 
@@ -214,9 +215,13 @@ class Connection:
         elif kind in (FrameType.DATA, FrameType.END, FrameType.RESET, FrameType.WINDOW):
             self._on_stream_frame(frame)
         elif kind is FrameType.PING:
-            self._send_control(Frame(FrameType.PONG, fields={"n": frame.field("n")}))
+            nonce = frame.field("n")
+            if not isinstance(nonce, int) or isinstance(nonce, bool):
+                raise RemoteProtocolError("PING needs an integer nonce")
+            self._send_control(Frame(FrameType.PONG, fields={"n": nonce}))
         elif kind is FrameType.PONG:
-            waiter = self._pings.get(frame.field("n"))
+            nonce = frame.field("n")
+            waiter = self._pings.get(nonce) if isinstance(nonce, int) else None
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
         elif kind is FrameType.GOAWAY:
@@ -239,7 +244,10 @@ class Connection:
         ):
             self._send_reset(sid, "invalid_argument", "deadline must be a positive integer")
             return
-        if self.going_away or len(self._streams) >= self._config.max_streams:
+        if self.going_away:
+            self._send_reset(sid, UnavailableError.code, "the connection is closing")
+            return
+        if self._remote_stream_count() >= self._config.max_streams:
             self._send_reset(sid, ResourceExhaustedError.code, "too many open streams")
             return
         entry = self._handlers.lookup(method)
@@ -292,7 +300,15 @@ class Connection:
                 self.remote_peer.short,
                 exc,
             )
-            stream.reset(ResourceExhaustedError.code, str(exc))
+            code = (
+                ResourceExhaustedError.code
+                if isinstance(exc, FlowControlError)
+                else "invalid_argument"
+            )
+            stream.reset(code, str(exc))
+
+    def _remote_stream_count(self) -> int:
+        return sum(1 for sid in self._streams if sid % 2 == self._remote_parity)
 
     def _is_stale(self, sid: int) -> bool:
         if sid % 2 == self._remote_parity:
@@ -318,6 +334,8 @@ class Connection:
             stream.reset(DeadlineExceededError.code, "deadline passed on the server")
         except RPCError as exc:
             stream.reset(exc.code, exc.message)
+        except StreamEndedError:
+            stream.reset("invalid_argument", "the stream ended before a request arrived")
         except ProtocolError as exc:
             stream.reset("invalid_argument", str(exc))
         except P2PTrainError as exc:
@@ -406,7 +424,9 @@ class Connection:
             if body is not None:
                 fields["b"] = body
         frame = Frame(FrameType.OPEN, stream.stream_id, flags, fields, payload)
-        stream._credit -= await self._send_stream_frame(stream, frame)
+        size = await self._send_stream_frame(stream, frame)
+        if flags & FLAG_MESSAGE:  # only a message counts against the stream window
+            stream._credit -= size
         if flags & FLAG_END:
             stream._set_local_ended()
 

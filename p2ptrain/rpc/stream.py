@@ -11,6 +11,7 @@ streams of the connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,11 @@ from p2ptrain.wire.frames import FLAG_END, Buffer, Frame, FrameType
 if TYPE_CHECKING:
     from p2ptrain.rpc.connection import Connection
 
-__all__ = ["RPCStream"]
+__all__ = ["FlowControlError", "RPCStream"]
+
+
+class FlowControlError(RemoteProtocolError):
+    """The remote sent more than the stream's window allows."""
 
 
 class RPCStream:
@@ -92,7 +97,8 @@ class RPCStream:
                 self._check_can_send()
             fields = {"b": body} if body is not None else None
             frame = Frame(FrameType.DATA, self.stream_id, FLAG_END if end else 0, fields, payload)
-            self._credit -= await self._conn._send_stream_frame(self, frame)
+            size = await self._conn._send_stream_frame(self, frame)
+            self._credit -= size  # after the await: credit may have arrived meanwhile
             if end:
                 self._set_local_ended()
 
@@ -161,7 +167,7 @@ class RPCStream:
             raise RemoteProtocolError("DATA after the remote ended the stream")
         self._outstanding += size
         if self._outstanding > self._recv_limit:
-            raise RemoteProtocolError(
+            raise FlowControlError(
                 f"remote overran the stream window ({self._outstanding} > {self._recv_limit})"
             )
         self._queue.append((message, size))
@@ -212,10 +218,8 @@ class RPCStream:
         if amount <= 0:
             return
         self._outstanding -= amount
-        try:
+        with contextlib.suppress(ConnectionClosedError):  # then transport_lost fails us
             self._conn._send_window_update(self.stream_id, amount)
-        except ConnectionClosedError:
-            pass  # the stream fails through transport_lost
 
     async def _wait(self, slot: str) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -236,4 +240,3 @@ class RPCStream:
 def _wake(waiter: asyncio.Future[None] | None) -> None:
     if waiter is not None and not waiter.done():
         waiter.set_result(None)
-

@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from p2ptrain.errors import ConnectionClosedError, P2PTrainError
-from p2ptrain.wire.frames import Frame
+from p2ptrain.errors import ConnectionClosedError, LocalProtocolError, P2PTrainError
+from p2ptrain.wire.frames import Buffer, Frame, buffer_nbytes, encode_frame
 
 __all__ = ["FrameReceiver", "FrameTransport", "TransportStats"]
 
@@ -55,6 +55,9 @@ class FrameTransport(abc.ABC):
     path: str = "unknown"
     """How this transport reached the peer, e.g. ``tcp-direct`` or ``webrtc-direct``."""
 
+    max_send_frame: int | None = None
+    """The remote's frame size limit, once known: larger frames are refused locally."""
+
     def __init__(self) -> None:
         self.stats = TransportStats()
         self._receiver: FrameReceiver | None = None
@@ -75,13 +78,23 @@ class FrameTransport(abc.ABC):
         """Queue a frame without waiting (never blocks); returns its wire size."""
 
     @abc.abstractmethod
-    def _abort(self) -> None:
-        """Tear down the underlying channel immediately."""
+    def _abort(self, *, flush: bool) -> None:
+        """Tear down the underlying channel (after sending what is queued if ``flush``)."""
 
     @property
     @abc.abstractmethod
     def remote_address(self) -> str:
         """A printable address of the other end."""
+
+    def _encode(self, frame: Frame) -> tuple[bytes, Buffer, int]:
+        """Encode ``frame``, refusing one the remote would reject as too large."""
+        head, payload = encode_frame(frame)
+        size = len(head) + buffer_nbytes(payload)
+        if self.max_send_frame is not None and size > self.max_send_frame:
+            raise LocalProtocolError(
+                f"a frame of {size} bytes exceeds the peer's limit of {self.max_send_frame}"
+            )
+        return head, payload, size
 
     # -- receiving ---------------------------------------------------------------------
 
@@ -137,11 +150,11 @@ class FrameTransport(abc.ABC):
         """Whether the transport has closed."""
         return self._closed
 
-    def close(self, exc: P2PTrainError | None = None) -> None:
-        """Close now; queued outgoing data may be lost."""
+    def close(self, exc: P2PTrainError | None = None, *, flush: bool = False) -> None:
+        """Close now; queued outgoing data is sent first only if ``flush``."""
         if self._closed:
             return
-        self._abort()
+        self._abort(flush=flush)
         self._lost(exc)
 
     async def wait_closed(self) -> None:
@@ -149,6 +162,6 @@ class FrameTransport(abc.ABC):
         await self._closed_event.wait()
 
     async def aclose(self) -> None:
-        """Close and wait until the channel is torn down."""
-        self.close()
+        """Send what is queued, close, and wait until the channel is torn down."""
+        self.close(flush=True)
         await self.wait_closed()

@@ -11,10 +11,11 @@ high-water mark, which is the backpressure the RPC layer builds on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from p2ptrain.errors import (
     ConnectError,
@@ -23,7 +24,7 @@ from p2ptrain.errors import (
     TransportTimeoutError,
 )
 from p2ptrain.transport.base import FrameTransport
-from p2ptrain.wire.frames import Frame, FrameDecoder, buffer_nbytes, encode_frame
+from p2ptrain.wire.frames import Frame, FrameDecoder
 
 __all__ = ["TCPListener", "TCPTransport", "tcp_connect", "tcp_listen"]
 
@@ -59,18 +60,15 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
     # -- asyncio.BufferedProtocol --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not isinstance(transport, asyncio.Transport):  # pragma: no cover
-            raise TypeError("TCPTransport needs a stream transport")
-        self._transport = transport
-        transport.set_write_buffer_limits(high=self._write_high_water)
+        # uvloop's transports do not subclass asyncio.Transport; both are stream transports.
+        self._transport = cast(asyncio.Transport, transport)
+        self._transport.set_write_buffer_limits(high=self._write_high_water)
         peer = transport.get_extra_info("peername")
         self._peername = f"{peer[0]}:{peer[1]}" if peer else "?"
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):  # not every socket supports it
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:  # pragma: no cover - not every socket supports it
-                pass
         self.connected.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -121,28 +119,22 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         transport = self._transport
         if self.closed or transport is None or transport.is_closing():
             raise self._close_exc or ConnectionClosedError("connection closed")
-        head, payload = encode_frame(frame)
-        payload_size = buffer_nbytes(payload)
-        if payload_size:
+        head, payload, size = self._encode(frame)
+        if size > len(head):
             transport.writelines((head, payload))
         else:
             transport.write(head)
-        size = len(head) + payload_size
         self.stats.frames_sent += 1
         self.stats.bytes_sent += size
         return size
 
-    def _abort(self) -> None:
-        if self._transport is not None:
+    def _abort(self, *, flush: bool) -> None:
+        if self._transport is None:
+            return
+        if flush:
+            self._transport.close()  # sends the write buffer first
+        else:
             self._transport.abort()
-
-    async def aclose(self) -> None:
-        """Flush what is queued, then close."""
-        transport = self._transport
-        if transport is not None and not self.closed:
-            transport.close()  # flushes the write buffer first
-            self._lost(None)
-        await self.wait_closed()
 
 
 def _make_transport_factory(
@@ -221,7 +213,9 @@ async def tcp_listen(
 ) -> TCPListener:
     """Listen on ``host:port`` (port 0 picks one) and report each new transport."""
     loop = asyncio.get_running_loop()
-    base = _make_transport_factory(max_frame_bytes, max_header_bytes, write_high_water, "tcp-direct")
+    base = _make_transport_factory(
+        max_frame_bytes, max_header_bytes, write_high_water, "tcp-direct"
+    )
 
     def factory() -> TCPTransport:
         transport = base()

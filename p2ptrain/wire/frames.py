@@ -48,9 +48,9 @@ __all__ = [
     "PREFIX",
     "Buffer",
     "Frame",
-    "buffer_nbytes",
     "FrameDecoder",
     "FrameType",
+    "buffer_nbytes",
     "encode_frame",
     "pack_body",
     "unpack_body",
@@ -75,6 +75,7 @@ class FrameType(enum.IntEnum):
     HELLO = 1
     AUTH = 2
     REFUSE = 3
+    ACCEPT = 4
     OPEN = 16
     DATA = 17
     END = 18
@@ -153,9 +154,9 @@ def encode_frame(frame: Frame) -> tuple[bytes, Buffer]:
     """
     if frame.stream_id < 0 or frame.stream_id > _MAX_STREAM_ID:
         raise LocalProtocolError(f"stream id {frame.stream_id} out of range")
-    header = pack_body(
-        [int(frame.type), frame.stream_id, frame.flags, dict(frame.fields or {})]
-    )
+    if not 0 <= frame.flags <= _MAX_FLAGS:
+        raise LocalProtocolError(f"flags {frame.flags:#x} do not fit in 16 bits")
+    header = pack_body([int(frame.type), frame.stream_id, frame.flags, dict(frame.fields or {})])
     payload = frame.payload
     payload_len = buffer_nbytes(payload)
     length = PREFIX.size - 4 + len(header) + payload_len
@@ -246,7 +247,7 @@ class FrameDecoder:
     def _header_bytes_needed(self) -> int:
         if len(self._pending) < PREFIX.size:
             return PREFIX.size
-        length, hlen = PREFIX.unpack_from(self._pending)
+        _length, hlen = PREFIX.unpack_from(self._pending)
         return PREFIX.size + hlen if hlen else PREFIX.size
 
     def _parse_pending(self) -> None:

@@ -1,0 +1,273 @@
+"""Helpers shared by the benchmarks: event loops, server processes, statistics, output.
+
+A benchmark script prints a human-readable table and then, as its very last
+line, one JSON object (see :func:`emit_json`) so that tooling can parse the
+result with ``output.splitlines()[-1]``.
+
+Server roles run in separate OS processes started with :class:`ServerProcess`:
+the child announces its address on stdout as ``READY <address>`` and serves
+until its stdin is closed. Closing stdin (which also happens when the parent
+dies) is the only stop signal, so a crashed benchmark never leaves a server
+behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import resource
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+__all__ = [
+    "READY_PREFIX",
+    "ServerProcess",
+    "announce_ready",
+    "cpu_seconds",
+    "emit_json",
+    "format_table",
+    "median",
+    "percentile",
+    "plot_bars",
+    "run",
+    "uvloop_available",
+    "wait_for_stdin_eof",
+]
+
+T = TypeVar("T")
+
+READY_PREFIX = "READY "
+
+
+# -- event loops ---------------------------------------------------------------------------
+
+
+def uvloop_available() -> bool:
+    """Whether uvloop can be imported here."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run(main: Coroutine[Any, Any, T], *, use_uvloop: bool) -> T:
+    """Run ``main`` to completion on a fresh asyncio or uvloop event loop."""
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if use_uvloop:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
+
+
+# -- server processes ----------------------------------------------------------------------
+
+
+def announce_ready(address: str) -> None:
+    """In a server child: tell the parent where to connect (one line on stdout)."""
+    sys.stdout.write(f"{READY_PREFIX}{address}\n")
+    sys.stdout.flush()
+
+
+async def wait_for_stdin_eof() -> None:
+    """In a server child: return once the parent closes our stdin (or dies)."""
+    loop = asyncio.get_running_loop()
+    closed = loop.create_future()
+
+    class _Watcher(asyncio.Protocol):
+        def connection_lost(self, exc: Exception | None) -> None:
+            if not closed.done():
+                closed.set_result(None)
+
+    transport, _ = await loop.connect_read_pipe(_Watcher, sys.stdin)
+    try:
+        await closed
+    finally:
+        transport.close()
+
+
+class ServerProcess:
+    """A server role of a benchmark script, run as a child process.
+
+    ``argv`` is the child's command line; the child must call
+    :func:`announce_ready` and stop when :func:`wait_for_stdin_eof` returns.
+    Use as a context manager; :attr:`address` holds what the child announced.
+
+    Args:
+        argv: The command to run, e.g. ``[sys.executable, __file__, "--role", "server"]``.
+        ready_timeout: Seconds the child has to announce its address.
+        stop_timeout: Seconds the child has to exit after stdin closes before it is killed.
+    """
+
+    def __init__(
+        self, argv: Sequence[str], *, ready_timeout: float = 60.0, stop_timeout: float = 10.0
+    ) -> None:
+        self.argv = list(argv)
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.address = ""
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        if self._proc is None:
+            raise RuntimeError("the server process is not running")
+        return self._proc.pid
+
+    def start(self) -> str:
+        """Start the child and wait for its ``READY`` line; returns the address."""
+        self._proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            self.address = self._read_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self.address
+
+    def _read_ready(self) -> str:
+        proc = self._proc
+        if proc is None or proc.stdout is None:  # pragma: no cover - set by start()
+            raise RuntimeError("the server process is not running")
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.argv!r} did not announce an address in time")
+            readable, _, _ = select.select([proc.stdout], [], [], remaining)
+            if not readable:
+                continue
+            line = proc.stdout.readline().decode(errors="replace")
+            if not line:
+                code = proc.wait(timeout=self.stop_timeout)
+                raise RuntimeError(f"server process exited with code {code} before it was ready")
+            if line.startswith(READY_PREFIX):
+                return line[len(READY_PREFIX) :].strip()
+
+    def stop(self) -> int | None:
+        """Close the child's stdin, wait for it to exit (kill it if it hangs)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            code = proc.wait(timeout=self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        return code
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+# -- measurements --------------------------------------------------------------------------
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far (all threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def median(values: Iterable[float]) -> float:
+    """The median of a non-empty collection."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("median of an empty collection")
+    mid = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[mid]
+    return (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def percentile(values: Iterable[float], pct: float) -> float:
+    """The ``pct``-th percentile (0..100) of a non-empty collection, nearest-rank."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of an empty collection")
+    if not 0 <= pct <= 100:
+        raise ValueError("pct must be in [0, 100]")
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+# -- output --------------------------------------------------------------------------------
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        parts = [
+            row[i].ljust(widths[i]) if i == 0 else row[i].rjust(widths[i]) for i in range(len(row))
+        ]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return str(value)
+
+
+def emit_json(result: dict[str, Any]) -> None:
+    """Print ``result`` as one JSON line; call it last so it is the last line of output."""
+    sys.stdout.write(json.dumps(result, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def plot_bars(
+    path: str | os.PathLike[str],
+    panels: Sequence[tuple[str, dict[str, float]]],
+    *,
+    title: str,
+) -> None:
+    """Write a PNG with one bar chart per panel: ``(y-axis label, {bar label: value})``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, (ylabel, bars) in zip(axes[0], panels, strict=True):
+        labels = list(bars)
+        values = [bars[k] for k in labels]
+        drawn = ax.bar(labels, values, color=[f"C{i}" for i in range(len(labels))])
+        ax.bar_label(drawn, fmt="%.0f")
+        ax.set_ylabel(ylabel)
+        ax.tick_params(axis="x", labelrotation=15)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,799 @@
+"""Transport benchmark: p2ptrain RPC streaming against a plain asyncio socket.
+
+Usage::
+
+    python benchmarks/bench_transport.py [--megabytes 256] [--chunk-kib 1024]
+        [--rtt-calls 10000] [--repeats 3] [--uvloop | --no-uvloop] [--png PATH] [--json-only]
+
+For every *path* a server runs in its own OS process (this script again, in a
+hidden ``--role server`` mode) and the client side runs in this process, over
+loopback:
+
+* bulk: ``--megabytes`` of float32 tensor chunks of ``--chunk-kib`` each. On the
+  ``rpc`` path every chunk is one message of one RPCStream (tensor header in
+  the body, the raw bytes as payload); the receiver decodes each chunk into a
+  tensor without copying and, when the stream ends, answers with the byte
+  count and a checksum, which the sender verifies. On the ``raw`` path the
+  same bytes go through a bare asyncio transport in the same chunk sizes and
+  the receiver only counts them. Throughput is timed from the first send to
+  the acknowledgement (on the ``rpc`` path ``encode_tensor`` runs inside the
+  timing, as it would in training); CPU seconds per GiB are measured in each
+  process with ``getrusage``. The paths alternate, ``--repeats`` runs each, and
+  the table reports the median run.
+* round trips: ``--rtt-calls`` sequential tiny requests after a warm-up
+  (unary RPC calls; a 16-byte echo on the raw path): median, p99, and the CPU
+  each side spends per call.
+
+On a shared machine wall-clock figures swing from run to run; the CPU columns
+are steadier, and when both processes compete for the cores the throughput
+ratio follows the ratio of total CPU per GiB.
+
+The table goes to stdout, followed by one JSON line (always the last line).
+Units: 1 MB = 1 MiB = 2**20 bytes, so ``rpc_MBps`` is MiB/s.
+
+Adding a transport (a WebRTC data channel, say) means writing a server
+coroutine and a :class:`PathClient`, and adding one :class:`BenchPath` to
+:data:`PATHS`; it then shows up as one more row.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import math
+import os
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from p2ptrain.node.address import PeerAddress
+from p2ptrain.node.config import NodeConfig
+from p2ptrain.node.node import Node
+from p2ptrain.rpc.config import ConnectionConfig
+from p2ptrain.rpc.handlers import CallContext, Message
+from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.wire.tensors import decode_tensor, encode_tensor
+
+if TYPE_CHECKING or __package__:
+    from benchmarks._common import (
+        ServerProcess,
+        announce_ready,
+        cpu_seconds,
+        emit_json,
+        format_table,
+        median,
+        percentile,
+        plot_bars,
+        run,
+        uvloop_available,
+        wait_for_stdin_eof,
+    )
+else:  # run as a script: python benchmarks/bench_transport.py
+    from _common import (
+        ServerProcess,
+        announce_ready,
+        cpu_seconds,
+        emit_json,
+        format_table,
+        median,
+        percentile,
+        plot_bars,
+        run,
+        uvloop_available,
+        wait_for_stdin_eof,
+    )
+
+MiB = 1 << 20
+GiB = 1 << 30
+RUN_TIMEOUT = 300.0
+"""Seconds one bulk run or one round-trip series may take before the benchmark gives up."""
+
+POOL_SIZE = 4
+"""Distinct chunks the sender cycles through (so the checksum also catches reordering)."""
+CHECKSUM_SAMPLES = 8
+"""Elements of each chunk that enter the checksum (kept small: it runs inside the timing)."""
+MAX_CHUNK_BYTES = 16 * MiB
+
+SINK_METHOD = "bench.sink"
+ECHO_METHOD = "bench.echo"
+CPU_METHOD = "bench.cpu"
+RTT_BODY = b"ping"
+
+WRITE_HIGH_WATER = ConnectionConfig().write_high_water
+"""The raw path uses the same send-buffer high-water mark as the RPC layer."""
+RAW_READ_BYTES = 256 * 1024
+"""The raw receiver's reusable read buffer; the same size as p2ptrain's TCP read buffer."""
+RAW_PREAMBLE = struct.Struct(">BQ")  # mode, total bytes that follow (bulk only)
+RAW_ACK = struct.Struct(">Qd")  # bytes counted, receiver CPU seconds
+RAW_CPU = struct.Struct(">d")  # reply to RAW_STATS: server CPU seconds so far
+RAW_BULK, RAW_ECHO, RAW_STATS = 1, 2, 3
+RAW_ECHO_BYTES = 16
+
+
+# -- workload ------------------------------------------------------------------------------
+
+
+def chunk_checksum(index: int, tensor: torch.Tensor) -> float:
+    """A cheap order-sensitive checksum term: a few sampled elements, weighted by position."""
+    step = max(1, tensor.numel() // CHECKSUM_SAMPLES)
+    return (index + 1) * float(tensor[::step].sum(dtype=torch.float64))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The bytes of one bulk run: ``total_bytes`` as float32 chunks of ``chunk_bytes``."""
+
+    total_bytes: int
+    chunk_bytes: int
+    pool: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def make(cls, total_bytes: int, chunk_bytes: int) -> Workload:
+        """Random chunks from a fixed seed, reused cyclically."""
+        if chunk_bytes <= 0 or chunk_bytes % 4:
+            raise ValueError("chunk_bytes must be a positive multiple of 4")
+        if total_bytes <= 0 or total_bytes % 4:
+            raise ValueError("total_bytes must be a positive multiple of 4")
+        gen = torch.Generator().manual_seed(20240601)
+        size = min(chunk_bytes, total_bytes) // 4
+        pool = tuple(torch.randn(size, generator=gen) for _ in range(POOL_SIZE))
+        return cls(total_bytes, chunk_bytes, pool)
+
+    @property
+    def chunks(self) -> int:
+        """Number of chunks (the last one may be shorter)."""
+        return -(-self.total_bytes // self.chunk_bytes)
+
+    def chunk(self, index: int) -> torch.Tensor:
+        """The tensor sent as chunk ``index``."""
+        tensor = self.pool[index % len(self.pool)]
+        tail = self.total_bytes - index * self.chunk_bytes
+        return tensor if tail >= self.chunk_bytes else tensor[: tail // 4]
+
+    def checksum(self) -> float:
+        """The checksum the receiver must report."""
+        return sum(chunk_checksum(i, self.chunk(i)) for i in range(self.chunks))
+
+
+@dataclass(frozen=True)
+class BulkRun:
+    """One timed bulk transfer."""
+
+    seconds: float
+    nbytes: int
+    sender_cpu: float
+    receiver_cpu: float
+
+    @property
+    def mib_per_s(self) -> float:
+        """Throughput in MiB/s."""
+        return self.nbytes / MiB / self.seconds
+
+    def cpu_per_gib(self, cpu: float) -> float:
+        """``cpu`` seconds scaled to one GiB of payload."""
+        return cpu / (self.nbytes / GiB)
+
+
+class BenchmarkError(RuntimeError):
+    """The receiver reported something other than what was sent."""
+
+
+# -- the path interface --------------------------------------------------------------------
+
+
+class PathClient(abc.ABC):
+    """The sending/calling side of one path, run in the benchmark's main process."""
+
+    @abc.abstractmethod
+    async def connect(self, address: str) -> None:
+        """Connect to the server that announced ``address`` (not timed)."""
+
+    @abc.abstractmethod
+    async def bulk(self, work: Workload) -> BulkRun:
+        """Send ``work`` once, timed from the first send to the receiver's acknowledgement."""
+
+    @abc.abstractmethod
+    async def round_trips(self, calls: int) -> list[float]:
+        """``calls`` sequential tiny request/response exchanges; each duration in µs."""
+
+    @abc.abstractmethod
+    async def server_cpu(self) -> float:
+        """CPU seconds the server process has used so far (asked over the path itself)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close every connection."""
+
+
+ServeFn = Callable[[Callable[[str], None]], Coroutine[Any, Any, None]]
+"""A server role: start serving, call ``ready(address)``, return once told to stop."""
+
+
+@dataclass(frozen=True)
+class BenchPath:
+    """One row of the results: a server role plus the client that talks to it."""
+
+    key: str
+    label: str
+    serve: ServeFn
+    client: Callable[[], PathClient]
+
+
+# -- p2ptrain RPC over TCP -----------------------------------------------------------------
+
+
+def _buffer_address(buf: Any) -> int | None:
+    """Address of a writable buffer's first byte (None for read-only or empty ones)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError):
+        return None
+
+
+async def _rpc_sink(context: CallContext, stream: RPCStream) -> None:
+    cpu_start = cpu_seconds()
+    total = 0
+    checksum = 0.0
+    zero_copy: bool | None = None
+    index = 0
+    async for message in stream:
+        body = message.body
+        if not isinstance(body, dict) or body.get("i") != index:
+            raise BenchmarkError(f"chunk {index} arrived out of order: {body!r:.80}")
+        tensor = decode_tensor(body["t"], message.payload)
+        if zero_copy is None:
+            zero_copy = tensor.data_ptr() == _buffer_address(message.payload)
+        total += tensor.numel() * tensor.element_size()
+        checksum += chunk_checksum(index, tensor)
+        index += 1
+    ack = {"n": total, "c": checksum, "z": bool(zero_copy), "cpu": cpu_seconds() - cpu_start}
+    await stream.send(ack, end=True)
+
+
+async def _rpc_echo(context: CallContext, request: Message) -> Message:
+    return Message(request.body)
+
+
+async def _rpc_cpu(context: CallContext, request: Message) -> Message:
+    return Message(cpu_seconds())
+
+
+async def serve_rpc(ready: Callable[[str], None]) -> None:
+    """Server role of the ``rpc`` path: a Node serving the sink and the echo."""
+    async with Node(config=NodeConfig()) as node:
+        node.handlers.add_stream(SINK_METHOD, _rpc_sink)
+        node.handlers.add_unary(ECHO_METHOD, _rpc_echo)
+        node.handlers.add_unary(CPU_METHOD, _rpc_cpu)
+        ready(str(node.address))
+        await wait_for_stdin_eof()
+
+
+class RPCClient(PathClient):
+    """Client of the ``rpc`` path: one Node, one pooled connection to the server."""
+
+    def __init__(self) -> None:
+        self._node: Node | None = None
+        self._address: PeerAddress | None = None
+        self.zero_copy_decode: bool | None = None
+
+    async def connect(self, address: str) -> None:
+        # Parsed once, as a caller holding a PeerAddress would: Node.call(str) re-parses the
+        # text (base32 PeerID included) on every call.
+        self._address = PeerAddress.parse(address)
+        self._node = Node(config=NodeConfig())
+        await self._node.start()
+        await self._node.connect(self._address)
+
+    def _started(self) -> tuple[Node, PeerAddress]:
+        if self._node is None or self._address is None:
+            raise RuntimeError("connect() first")
+        return self._node, self._address
+
+    async def bulk(self, work: Workload) -> BulkRun:
+        node, address = self._started()
+        expected = work.checksum()
+        count = work.chunks
+        async with asyncio.timeout(RUN_TIMEOUT):
+            stream = await node.open_stream(address, SINK_METHOD)
+            async with stream:
+                cpu_start = cpu_seconds()
+                start = time.perf_counter()
+                for i in range(count):
+                    header, payload = encode_tensor(work.chunk(i))
+                    await stream.send({"i": i, "t": header}, payload, end=i == count - 1)
+                ack = (await stream.recv()).body
+                seconds = time.perf_counter() - start
+                cpu = cpu_seconds() - cpu_start
+        if ack["n"] != work.total_bytes or not math.isclose(
+            ack["c"], expected, rel_tol=1e-9, abs_tol=1e-9
+        ):
+            raise BenchmarkError(
+                f"receiver got {ack['n']} bytes with checksum {ack['c']!r}, "
+                f"sent {work.total_bytes} with checksum {expected!r}"
+            )
+        self.zero_copy_decode = bool(ack["z"])
+        return BulkRun(seconds, work.total_bytes, cpu, float(ack["cpu"]))
+
+    async def round_trips(self, calls: int) -> list[float]:
+        node, address = self._started()
+        durations = []
+        clock = time.perf_counter_ns
+        async with asyncio.timeout(RUN_TIMEOUT):
+            for _ in range(calls):
+                start = clock()
+                reply = await node.call(address, ECHO_METHOD, RTT_BODY)
+                durations.append((clock() - start) / 1000)
+                if reply.body != RTT_BODY:
+                    raise BenchmarkError(f"echo returned {reply.body!r}")
+        return durations
+
+    async def server_cpu(self) -> float:
+        node, address = self._started()
+        reply = await node.call(address, CPU_METHOD, timeout=RUN_TIMEOUT)
+        return float(reply.body)
+
+    async def aclose(self) -> None:
+        if self._node is not None:
+            await self._node.aclose()
+            self._node = None
+
+
+# -- raw asyncio socket baseline -----------------------------------------------------------
+
+
+def _set_nodelay(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _RawServerProtocol(asyncio.BufferedProtocol):
+    """Reads a preamble, then counts ``total`` bytes and acks, echoes, or reports its CPU."""
+
+    def __init__(self) -> None:
+        self._view = memoryview(bytearray(RAW_READ_BYTES))
+        self._preamble = bytearray()
+        self._mode = 0
+        self._total = 0
+        self._remaining = 0
+        self._cpu_start = 0.0
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not inherit from asyncio.Transport: no isinstance check.
+        self._transport = cast(asyncio.Transport, transport)
+        _set_nodelay(transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        transport = self._transport
+        if transport is None:  # pragma: no cover - set before any data
+            return
+        data = self._view[:nbytes]
+        if not self._mode:
+            need = RAW_PREAMBLE.size - len(self._preamble)
+            self._preamble += data[:need]
+            data = data[need:]
+            if len(self._preamble) < RAW_PREAMBLE.size:
+                return
+            self._mode, self._total = RAW_PREAMBLE.unpack(self._preamble)
+            self._remaining = self._total
+            self._cpu_start = cpu_seconds()
+            if self._mode == RAW_STATS:
+                transport.write(RAW_CPU.pack(self._cpu_start))
+        if self._mode == RAW_STATS:
+            return
+        if self._mode == RAW_ECHO:
+            if len(data):
+                transport.write(bytes(data))
+            return
+        self._remaining -= len(data)
+        if self._remaining < 0:
+            transport.abort()
+        elif self._remaining == 0 and len(data):
+            transport.write(RAW_ACK.pack(self._total, cpu_seconds() - self._cpu_start))
+
+
+async def serve_raw(ready: Callable[[str], None]) -> None:
+    """Server role of the ``raw`` path: a bare asyncio listener."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_RawServerProtocol, "127.0.0.1", 0)
+    async with server:
+        host, port = server.sockets[0].getsockname()[:2]
+        ready(f"{host}:{port}")
+        await wait_for_stdin_eof()
+
+
+class _RawClientProtocol(asyncio.Protocol):
+    """Flow-controlled writes plus ``read_exactly`` for acks and echoes."""
+
+    def __init__(self) -> None:
+        self.can_write = asyncio.Event()
+        self.can_write.set()
+        self._received = bytearray()
+        self._want = 0
+        self._waiter: asyncio.Future[bytes] | None = None
+        self._lost: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        _set_nodelay(transport)
+        cast(asyncio.Transport, transport).set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def pause_writing(self) -> None:
+        self.can_write.clear()
+
+    def resume_writing(self) -> None:
+        self.can_write.set()
+
+    def data_received(self, data: bytes) -> None:
+        self._received += data
+        self._maybe_wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = exc or ConnectionError("connection closed")
+        self.can_write.set()
+        self._maybe_wake()
+
+    def _maybe_wake(self) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        if len(self._received) >= self._want:
+            data = bytes(self._received[: self._want])
+            del self._received[: self._want]
+            waiter.set_result(data)
+        elif self._lost is not None:
+            waiter.set_exception(self._lost)
+
+    async def read_exactly(self, nbytes: int) -> bytes:
+        self._want = nbytes
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._maybe_wake()
+        try:
+            return await self._waiter
+        finally:
+            self._waiter = None
+
+
+class RawClient(PathClient):
+    """Client of the ``raw`` path: a fresh connection per bulk run, one for the echoes."""
+
+    def __init__(self) -> None:
+        self._host = ""
+        self._port = 0
+
+    async def connect(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        self._host, self._port = host, int(port)
+
+    async def _open(self) -> tuple[asyncio.Transport, _RawClientProtocol]:
+        loop = asyncio.get_running_loop()
+        return await loop.create_connection(_RawClientProtocol, self._host, self._port)
+
+    async def bulk(self, work: Workload) -> BulkRun:
+        views = [t.numpy().data.cast("B") for t in work.pool]
+        tail = work.total_bytes - (work.chunks - 1) * work.chunk_bytes
+        count = work.chunks
+        async with asyncio.timeout(RUN_TIMEOUT):
+            transport, proto = await self._open()
+            try:
+                transport.write(RAW_PREAMBLE.pack(RAW_BULK, work.total_bytes))
+                cpu_start = cpu_seconds()
+                start = time.perf_counter()
+                for i in range(count):
+                    if not proto.can_write.is_set():
+                        await proto.can_write.wait()
+                    view = views[i % POOL_SIZE]
+                    transport.write(view if i < count - 1 else view[:tail])
+                ack = await proto.read_exactly(RAW_ACK.size)
+                seconds = time.perf_counter() - start
+                cpu = cpu_seconds() - cpu_start
+            finally:
+                transport.close()
+        counted, receiver_cpu = RAW_ACK.unpack(ack)
+        if counted != work.total_bytes:
+            raise BenchmarkError(f"receiver counted {counted} bytes of {work.total_bytes}")
+        return BulkRun(seconds, work.total_bytes, cpu, receiver_cpu)
+
+    async def round_trips(self, calls: int) -> list[float]:
+        request = bytes(range(RAW_ECHO_BYTES))
+        durations = []
+        clock = time.perf_counter_ns
+        async with asyncio.timeout(RUN_TIMEOUT):
+            transport, proto = await self._open()
+            try:
+                transport.write(RAW_PREAMBLE.pack(RAW_ECHO, 0))
+                for _ in range(calls):
+                    start = clock()
+                    transport.write(request)
+                    reply = await proto.read_exactly(RAW_ECHO_BYTES)
+                    durations.append((clock() - start) / 1000)
+                    if reply != request:
+                        raise BenchmarkError("echo returned different bytes")
+            finally:
+                transport.close()
+        return durations
+
+    async def server_cpu(self) -> float:
+        async with asyncio.timeout(RUN_TIMEOUT):
+            transport, proto = await self._open()
+            try:
+                transport.write(RAW_PREAMBLE.pack(RAW_STATS, 0))
+                (seconds,) = RAW_CPU.unpack(await proto.read_exactly(RAW_CPU.size))
+            finally:
+                transport.close()
+        return float(seconds)
+
+    async def aclose(self) -> None:
+        return None
+
+
+PATHS: dict[str, BenchPath] = {
+    path.key: path
+    for path in (
+        BenchPath("rpc", "p2ptrain RPC (tcp)", serve_rpc, RPCClient),
+        BenchPath("raw", "raw asyncio socket", serve_raw, RawClient),
+    )
+}
+BASELINE = "raw"
+"""The path every other one is compared with."""
+
+
+# -- measuring -----------------------------------------------------------------------------
+
+
+@dataclass
+class PathResult:
+    """Everything measured on one path."""
+
+    path: BenchPath
+    runs: list[BulkRun] = field(default_factory=list)
+    rtt_us: list[float] = field(default_factory=list)
+    rtt_client_cpu_us: float = math.nan
+    """Client CPU per round trip, µs."""
+    rtt_server_cpu_us: float = math.nan
+    """Server CPU per round trip, µs."""
+
+    def median_run(self) -> BulkRun:
+        """The run with the median throughput (the upper median for an even count)."""
+        ordered = sorted(self.runs, key=lambda r: r.mib_per_s)
+        return ordered[len(ordered) // 2]
+
+    def summary(self) -> dict[str, Any]:
+        """Figures for the table and the JSON line."""
+        mid = self.median_run()
+        speeds = [r.mib_per_s for r in self.runs]
+        return {
+            "MBps": round(median(speeds), 1),
+            "MBps_runs": [round(s, 1) for s in speeds],
+            "MBps_best": round(max(speeds), 1),
+            "send_cpu_s_per_GiB": round(mid.cpu_per_gib(mid.sender_cpu), 3),
+            "recv_cpu_s_per_GiB": round(mid.cpu_per_gib(mid.receiver_cpu), 3),
+            "rtt_median_us": round(median(self.rtt_us), 1),
+            "rtt_p99_us": round(percentile(self.rtt_us, 99), 1),
+            "rtt_client_cpu_us": round(self.rtt_client_cpu_us, 1),
+            "rtt_server_cpu_us": round(self.rtt_server_cpu_us, 1),
+        }
+
+
+def _log(quiet: bool, text: str) -> None:
+    if not quiet:
+        print(text, file=sys.stderr, flush=True)
+
+
+async def measure(args: argparse.Namespace, addresses: dict[str, str]) -> dict[str, PathResult]:
+    """Run every measurement against the servers at ``addresses``."""
+    work = Workload.make(args.megabytes * MiB, args.chunk_kib * 1024)
+    warm = Workload.make(min(work.total_bytes, 16 * MiB), work.chunk_bytes)
+    results = {key: PathResult(PATHS[key]) for key in addresses}
+    clients = {key: PATHS[key].client() for key in addresses}
+    try:
+        for key, client in clients.items():
+            await client.connect(addresses[key])
+            await client.bulk(warm)
+        for attempt in range(args.repeats):
+            for key, client in clients.items():
+                result = await client.bulk(work)
+                results[key].runs.append(result)
+                _log(
+                    args.json_only,
+                    f"  bulk {key:>4} run {attempt + 1}/{args.repeats}: "
+                    f"{result.mib_per_s:8.1f} MiB/s in {result.seconds:.3f} s",
+                )
+        for key, client in clients.items():
+            res = results[key]
+            await client.round_trips(args.rtt_warmup)
+            server_start = await client.server_cpu()
+            client_start = cpu_seconds()
+            res.rtt_us = await client.round_trips(args.rtt_calls)
+            res.rtt_client_cpu_us = (cpu_seconds() - client_start) / args.rtt_calls * 1e6
+            res.rtt_server_cpu_us = (
+                (await client.server_cpu() - server_start) / args.rtt_calls * 1e6
+            )
+            _log(args.json_only, f"  rtt  {key:>4}: median {median(res.rtt_us):.1f} µs")
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    rpc = clients.get("rpc")
+    if isinstance(rpc, RPCClient):
+        args.zero_copy_decode = rpc.zero_copy_decode
+    return results
+
+
+def report(args: argparse.Namespace, results: dict[str, PathResult]) -> dict[str, Any]:
+    """Print the tables (unless ``--json-only``), write the PNG, return the JSON result."""
+    summaries = {key: res.summary() for key, res in results.items()}
+    base = summaries[BASELINE]
+    rpc = summaries["rpc"]
+    ratio = rpc["MBps"] / base["MBps"]
+    loop = "uvloop" if args.uvloop else "asyncio"
+    if not args.json_only:
+        _print_tables(args, results, summaries, loop)
+        verdict = "meets" if ratio >= 0.70 else "misses"
+        print(f"rpc/raw throughput ratio {ratio:.2f} ({verdict} the 0.70 goal)")
+    if args.png:
+        labels = {key: res.path.label for key, res in results.items()}
+        plot_bars(
+            args.png,
+            [
+                (f"bulk MiB/s ({args.chunk_kib} KiB chunks)", _by_label(labels, summaries, "MBps")),
+                ("round trip median, µs", _by_label(labels, summaries, "rtt_median_us")),
+                ("round trip p99, µs", _by_label(labels, summaries, "rtt_p99_us")),
+            ],
+            title=f"p2ptrain transport benchmark, {loop}, loopback",
+        )
+    return {
+        "rpc_MBps": rpc["MBps"],
+        "raw_MBps": base["MBps"],
+        "ratio": round(ratio, 3),
+        "rtt_median_us": rpc["rtt_median_us"],
+        "rtt_p99_us": rpc["rtt_p99_us"],
+        "raw_rtt_median_us": base["rtt_median_us"],
+        "raw_rtt_p99_us": base["rtt_p99_us"],
+        "uvloop": args.uvloop,
+        "megabytes": args.megabytes,
+        "chunk_bytes": args.chunk_kib * 1024,
+        "statistic": "median",
+        "repeats": args.repeats,
+        "rtt_calls": args.rtt_calls,
+        "zero_copy_decode": args.zero_copy_decode,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "paths": summaries,
+    }
+
+
+def _by_label(
+    labels: dict[str, str], summaries: dict[str, dict[str, Any]], metric: str
+) -> dict[str, float]:
+    return {labels[key]: float(summ[metric]) for key, summ in summaries.items()}
+
+
+def _print_tables(
+    args: argparse.Namespace,
+    results: dict[str, PathResult],
+    summaries: dict[str, dict[str, Any]],
+    loop: str,
+) -> None:
+    base = summaries[BASELINE]
+    bulk_rows = []
+    rtt_rows = []
+    for key, summ in summaries.items():
+        label = results[key].path.label
+        runs = summ["MBps_runs"]
+        bulk_rows.append(
+            [
+                label,
+                summ["MBps"],
+                f"{min(runs):,.0f}-{max(runs):,.0f}",
+                f"{summ['MBps'] / base['MBps']:.2f}",
+                summ["send_cpu_s_per_GiB"],
+                summ["recv_cpu_s_per_GiB"],
+            ]
+        )
+        rtt_rows.append(
+            [
+                label,
+                summ["rtt_median_us"],
+                summ["rtt_p99_us"],
+                summ["rtt_client_cpu_us"],
+                summ["rtt_server_cpu_us"],
+            ]
+        )
+    print(
+        f"bulk: {args.megabytes} MiB of float32 in {args.chunk_kib} KiB chunks, {loop}, "
+        f"loopback, median of {args.repeats} runs (CPU of the median run)"
+    )
+    print(
+        format_table(
+            ["path", "MiB/s", "runs", "vs raw", "send CPU s/GiB", "recv CPU s/GiB"], bulk_rows
+        )
+    )
+    print()
+    print(f"round trips: {args.rtt_calls} sequential calls after {args.rtt_warmup} warm-up")
+    print(
+        format_table(
+            ["path", "p50 µs", "p99 µs", "client CPU µs/call", "server CPU µs/call"], rtt_rows
+        )
+    )
+
+
+# -- entry points --------------------------------------------------------------------------
+
+
+def _serve_role(key: str, use_uvloop: bool) -> None:
+    run(PATHS[key].serve(announce_ready), use_uvloop=use_uvloop)
+
+
+def _server_argv(key: str, use_uvloop: bool) -> list[str]:
+    loop_flag = "--uvloop" if use_uvloop else "--no-uvloop"
+    return [sys.executable, os.path.abspath(__file__), "--role", "server", "--path", key, loop_flag]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse and check the command line."""
+    parser = argparse.ArgumentParser(
+        description="p2ptrain RPC streaming vs a plain asyncio socket, over loopback."
+    )
+    parser.add_argument("--megabytes", type=int, default=256, help="MiB per bulk run")
+    parser.add_argument("--chunk-kib", type=int, default=1024, help="KiB per tensor chunk")
+    parser.add_argument("--rtt-calls", type=int, default=10_000, help="timed round trips")
+    parser.add_argument("--rtt-warmup", type=int, default=500, help="untimed round trips first")
+    parser.add_argument("--repeats", type=int, default=3, help="bulk runs per path (median kept)")
+    parser.add_argument(
+        "--uvloop",
+        action=argparse.BooleanOptionalAction,
+        default=uvloop_available(),
+        help="use uvloop in every process (default: when installed)",
+    )
+    parser.add_argument("--png", help="also write a bar chart to this PNG file")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    parser.add_argument(
+        "--role", choices=["bench", "server"], default="bench", help=argparse.SUPPRESS
+    )
+    parser.add_argument("--path", choices=sorted(PATHS), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "server" and args.path is None:
+        parser.error("--role server needs --path")
+    if args.megabytes <= 0:
+        parser.error("--megabytes must be positive")
+    if not 0 < args.chunk_kib * 1024 <= MAX_CHUNK_BYTES:
+        parser.error(f"--chunk-kib must be in 1..{MAX_CHUNK_BYTES // 1024}")
+    if args.rtt_calls < 1 or args.rtt_warmup < 0 or args.repeats < 1:
+        parser.error("--rtt-calls and --repeats must be positive, --rtt-warmup not negative")
+    if args.uvloop and not uvloop_available():
+        parser.error("uvloop is not installed")
+    args.zero_copy_decode = None
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark (or, with the hidden ``--role server``, one server)."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # tiny tensor ops only; keep OpenMP threads off the 2 cores
+    if args.role == "server":
+        _serve_role(args.path, args.uvloop)
+        return 0
+    with contextlib.ExitStack() as stack:
+        addresses = {}
+        for key in PATHS:
+            server = stack.enter_context(ServerProcess(_server_argv(key, args.uvloop)))
+            addresses[key] = server.address
+        results = run(measure(args, addresses), use_uvloop=args.uvloop)
+    emit_json(report(args, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

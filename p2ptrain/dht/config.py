@@ -1,0 +1,133 @@
+"""Configuration of the Kademlia DHT: one frozen dataclass, validated on creation.
+
+Every pure DHT component (:mod:`~p2ptrain.dht.routing`,
+:mod:`~p2ptrain.dht.lookup`, :mod:`~p2ptrain.dht.storage`) and the networked
+node read their limits and timings from the same :class:`DHTConfig`, so one
+object describes how a peer behaves. All durations are seconds and all sizes
+are bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from p2ptrain.errors import ConfigError
+
+__all__ = ["DHTConfig"]
+
+_INT_FIELDS_MIN_ONE = (
+    "k",
+    "alpha",
+    "max_key_bytes",
+    "max_value_bytes",
+    "max_subkeys",
+    "max_records",
+    "max_failures",
+    "replacement_cache_size",
+)
+_POSITIVE_DURATIONS = (
+    "max_expiration_horizon",
+    "refresh_interval",
+    "republish_interval",
+    "ping_timeout",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DHTConfig:
+    """Limits and timings of one DHT peer.
+
+    Attributes:
+        k: Bucket size and the number of closest nodes a lookup returns
+            (Kademlia's *k*).
+        alpha: How many queries an iterative lookup keeps in flight at once
+            (Kademlia's *α*).
+        replicas: How many of the closest nodes a value is stored on. ``None``
+            means *k*; see :attr:`effective_replicas`. At most *k*, because a
+            lookup only returns *k* nodes.
+        max_key_bytes: Longest accepted key, and longest accepted dictionary
+            sub-key.
+        max_value_bytes: Longest accepted value (the msgpack-encoded bytes the
+            node stores). 64 KiB by default.
+        max_subkeys: Most sub-keys one dictionary value may hold at a time.
+        max_records: Most entries (plain values plus dictionary sub-keys) one
+            store holds; further new entries are refused until some expire.
+        max_expiration_horizon: How far past ``now`` an expiration time may
+            lie. Records announcing a later expiration are refused, so nobody
+            pins data on other peers forever.
+        refresh_interval: A bucket that saw no contact for this long is
+            refreshed by a lookup of a random id inside it (Kademlia's
+            *tRefresh*).
+        republish_interval: How often a peer re-stores the records it holds
+            on the current closest nodes (Kademlia's *tReplicate*).
+        max_contacts_per_reply: Most contacts a lookup takes from one FIND
+            reply; the rest are ignored, so a peer answering with thousands of
+            bogus contacts cannot inflate the lookup's state. ``None`` means
+            *k*; see :attr:`effective_max_contacts_per_reply`.
+        max_failures: Consecutive failed requests after which a contact is
+            dropped from the routing table (and a replacement promoted).
+        replacement_cache_size: Most replacement candidates kept per bucket
+            (newcomers seen while the bucket was full).
+        ping_timeout: How long the routing table waits for the result of the
+            PING it asked for before it asks again; the node should give up on
+            that PING sooner than this.
+        relaxed_split: Also split a full bucket that does not hold our own id
+            when the newcomer would be among the *k* closest contacts to our
+            own id (Kademlia paper, section 4.2), so a peer knows its whole
+            neighbourhood even when it is unevenly populated.
+    """
+
+    k: int = 20
+    alpha: int = 3
+    replicas: int | None = None
+    max_key_bytes: int = 512
+    max_value_bytes: int = 64 * 1024
+    max_subkeys: int = 256
+    max_records: int = 100_000
+    max_expiration_horizon: float = 24 * 3600.0
+    refresh_interval: float = 3600.0
+    republish_interval: float = 3600.0
+    max_contacts_per_reply: int | None = None
+    max_failures: int = 3
+    replacement_cache_size: int = 20
+    ping_timeout: float = 10.0
+    relaxed_split: bool = True
+
+    def __post_init__(self) -> None:
+        for name in _INT_FIELDS_MIN_ONE:
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in _POSITIVE_DURATIONS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"DHTConfig.{name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"DHTConfig.{name} must be finite and > 0, got {value!r}")
+        if self.replicas is not None:
+            _check_int("replicas", self.replicas, minimum=1)
+            if self.replicas > self.k:
+                raise ConfigError(
+                    f"DHTConfig.replicas ({self.replicas}) cannot exceed k ({self.k}):"
+                    " a lookup only returns k nodes"
+                )
+        if self.max_contacts_per_reply is not None:
+            _check_int("max_contacts_per_reply", self.max_contacts_per_reply, minimum=1)
+        if not isinstance(self.relaxed_split, bool):
+            raise ConfigError(f"DHTConfig.relaxed_split must be a bool, got {self.relaxed_split!r}")
+
+    @property
+    def effective_replicas(self) -> int:
+        """The number of nodes a value is stored on (``replicas``, or *k*)."""
+        return self.k if self.replicas is None else self.replicas
+
+    @property
+    def effective_max_contacts_per_reply(self) -> int:
+        """The cap on contacts taken from one reply (``max_contacts_per_reply``, or *k*)."""
+        return self.k if self.max_contacts_per_reply is None else self.max_contacts_per_reply
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"DHTConfig.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"DHTConfig.{name} must be >= {minimum}, got {value}")

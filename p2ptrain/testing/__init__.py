@@ -1,0 +1,1 @@
+"""Helpers shared by p2ptrain's tests and by users testing their own parts."""
