@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from p2ptrain.errors import ConfigError, IdentityError
@@ -32,6 +33,10 @@ class PeerAddress:
     @classmethod
     def parse(cls, text: str) -> PeerAddress:
         """Parse ``host:port``, ``peerid@host:port`` or ``peerid@[v6]:port``."""
+        return _parse_cached(text)
+
+    @classmethod
+    def _parse(cls, text: str) -> PeerAddress:
         raw = text.strip()
         peer_id = None
         if "@" in raw:
@@ -67,3 +72,8 @@ class PeerAddress:
         if self.peer_id is None:
             return self.endpoint
         return f"{self.peer_id}@{self.endpoint}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(text: str) -> PeerAddress:
+    return PeerAddress._parse(text)

@@ -30,7 +30,7 @@ class ConnectionConfig:
 
     max_frame_bytes: int = 16 * MiB + 64 * 1024
     max_header_bytes: int = 1 * MiB
-    stream_window: int = 8 * MiB
+    stream_window: int = 32 * MiB
     max_streams: int = 1024
     write_high_water: int = 1 * MiB
     handshake_timeout: float = 10.0

@@ -319,17 +319,11 @@ class Connection:
 
     async def _serve(self, stream: RPCStream, entry: _Entry, context: CallContext) -> None:
         try:
-            async with asyncio.timeout_at(stream.deadline):
-                if entry.streaming:
-                    await entry.handler(context, stream)  # type: ignore[arg-type]
-                    if not stream.finished and not stream._local_ended:
-                        await stream.end()
-                else:
-                    request = await stream.recv()
-                    response = await entry.handler(context, request)  # type: ignore[arg-type]
-                    if not isinstance(response, Message):
-                        raise TypeError(f"unary handler {context.method!r} must return a Message")
-                    await stream.send(response.body, response.payload, end=True)
+            if stream.deadline is None:
+                await self._run_handler(stream, entry, context)
+            else:
+                async with asyncio.timeout_at(stream.deadline):
+                    await self._run_handler(stream, entry, context)
         except TimeoutError:
             stream.reset(DeadlineExceededError.code, "deadline passed on the server")
         except RPCError as exc:
@@ -344,8 +338,22 @@ class Connection:
             logger.exception("handler %r failed", context.method)
             stream.reset("internal", f"{type(exc).__name__}: {exc}")
 
+    @staticmethod
+    async def _run_handler(stream: RPCStream, entry: _Entry, context: CallContext) -> None:
+        if entry.streaming:
+            await entry.handler(context, stream)  # type: ignore[arg-type]
+            if not stream.finished and not stream._local_ended:
+                await stream.end()
+            return
+        request = await stream.recv()
+        response = await entry.handler(context, request)  # type: ignore[arg-type]
+        if not isinstance(response, Message):
+            raise TypeError(f"unary handler {context.method!r} must return a Message")
+        await stream.send(response.body, response.payload, end=True)
+
     async def _await_tasks(self) -> None:
-        tasks = [*self._handler_tasks, self._maintenance]
+        current = asyncio.current_task()
+        tasks = [t for t in (*self._handler_tasks, self._maintenance) if t is not current]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -63,6 +63,7 @@ class RPCStream:
         self.method = method
         self.deadline = deadline
         self._recv_window = recv_window
+        self._credit_batch = max(1, recv_window // 4)
         self._recv_limit = recv_window + max_frame_bytes
         self._queue: deque[tuple[Message, int]] = deque()
         self._recv_waiter: asyncio.Future[None] | None = None
@@ -70,7 +71,7 @@ class RPCStream:
         self._uncredited = 0  # consumed bytes waiting to be credited back
         self._credit = send_window
         self._credit_waiter: asyncio.Future[None] | None = None
-        self._send_lock = asyncio.Lock()
+        self._send_lock: asyncio.Lock | None = None  # created on first send
         self._remote_ended = False
         self._local_ended = False
         self._error: P2PTrainError | None = None
@@ -90,7 +91,7 @@ class RPCStream:
 
     async def send(self, body: Any = None, payload: Buffer = b"", *, end: bool = False) -> None:
         """Send one message; with ``end=True`` also half-close our side."""
-        async with self._send_lock:
+        async with self._lock():
             self._check_can_send()
             while self._credit <= 0:
                 await self._wait("_credit_waiter")
@@ -104,7 +105,7 @@ class RPCStream:
 
     async def end(self) -> None:
         """Half-close: tell the remote we send nothing more."""
-        async with self._send_lock:
+        async with self._lock():
             self._check_can_send()
             await self._conn._send_stream_frame(self, Frame(FrameType.END, self.stream_id))
             self._set_local_ended()
@@ -126,9 +127,10 @@ class RPCStream:
             await self._wait("_recv_waiter")
         message, size = self._queue.popleft()
         self._uncredited += size
-        if not self._remote_ended and (
-            not self._queue or self._uncredited >= self._recv_window // 2
-        ):
+        # Credit goes back in batches of a quarter window. This cannot stall: a
+        # blocked sender has >= window outstanding, so once we consume it all,
+        # the batch threshold has been passed.
+        if not self._remote_ended and self._uncredited >= self._credit_batch:
             self._give_credit()
         return message
 
@@ -193,6 +195,11 @@ class RPCStream:
             self._fail(error)
 
     # -- internals ---------------------------------------------------------------------
+
+    def _lock(self) -> asyncio.Lock:
+        if self._send_lock is None:
+            self._send_lock = asyncio.Lock()
+        return self._send_lock
 
     def _fail(self, error: P2PTrainError) -> None:
         self._error = error

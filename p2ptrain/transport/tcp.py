@@ -1,9 +1,10 @@
 """Frames over TCP (asyncio protocol; uvloop when the loop is uvloop).
 
 Incoming bytes go through a :class:`~p2ptrain.wire.frames.FrameDecoder` fed by
-a buffered protocol: when a large payload is being filled, the kernel copies
-straight into the payload's final buffer. Outgoing frames are written with
-``writelines`` so a tensor payload is not copied before the socket sees it;
+a buffered protocol: while a large payload is being filled, ``get_buffer``
+hands the kernel the payload's own unfilled tail, so payload bytes are copied
+once, from the socket into their final buffer. Outgoing frames are written as
+header and payload (the payload is not joined to the header first);
 :meth:`TCPTransport.send_frame` waits while the write buffer is above its
 high-water mark, which is the backpressure the RPC layer builds on.
 """
@@ -31,6 +32,7 @@ __all__ = ["TCPListener", "TCPTransport", "tcp_connect", "tcp_listen"]
 logger = logging.getLogger(__name__)
 
 _READ_CHUNK = 256 * 1024
+_DIRECT_READ_MIN = 64 * 1024  # read straight into payloads at least this large
 
 
 class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
@@ -54,6 +56,7 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._read_buffer = bytearray(_READ_CHUNK)
+        self._reading_direct = False
         self._peername = "?"
         self.connected = asyncio.Event()
 
@@ -72,12 +75,19 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         self.connected.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        tail = self._decoder.payload_tail()
+        self._reading_direct = tail is not None and len(tail) >= _DIRECT_READ_MIN
+        if tail is not None and self._reading_direct:
+            return tail
         return memoryview(self._read_buffer)
 
     def buffer_updated(self, nbytes: int) -> None:
         self.stats.bytes_received += nbytes
         try:
-            self._decoder.feed(memoryview(self._read_buffer)[:nbytes])
+            if self._reading_direct:
+                self._decoder.payload_written(nbytes)
+            else:
+                self._decoder.feed(memoryview(self._read_buffer)[:nbytes])
         except RemoteProtocolError as exc:
             logger.warning("closing connection from %s: %s", self._peername, exc)
             self.close(exc)
@@ -120,10 +130,10 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         if self.closed or transport is None or transport.is_closing():
             raise self._close_exc or ConnectionClosedError("connection closed")
         head, payload, size = self._encode(frame)
+        transport.write(head)
         if size > len(head):
-            transport.writelines((head, payload))
-        else:
-            transport.write(head)
+            # Two writes, not writelines: asyncio's writelines joins (copies) its input.
+            transport.write(payload)
         self.stats.frames_sent += 1
         self.stats.bytes_sent += size
         return size

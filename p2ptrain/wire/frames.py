@@ -41,6 +41,7 @@ from p2ptrain.errors import (
     LocalProtocolError,
     RemoteProtocolError,
 )
+from p2ptrain.wire.buffers import default_pool
 
 __all__ = [
     "FLAG_END",
@@ -86,7 +87,8 @@ class FrameType(enum.IntEnum):
     GOAWAY = 34
 
 
-_KNOWN_TYPES = frozenset(int(t) for t in FrameType)
+_TYPES_BY_VALUE: dict[int, FrameType] = {int(t): t for t in FrameType}
+_LARGE_PAYLOAD = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -171,7 +173,8 @@ def _parse_header(header: Any) -> tuple[FrameType, int, int, dict[str, Any]]:
     ftype, stream_id, flags, fields = header
     if not isinstance(ftype, int) or isinstance(ftype, bool):
         raise RemoteProtocolError("frame type must be an integer")
-    if ftype not in _KNOWN_TYPES:
+    frame_type = _TYPES_BY_VALUE.get(ftype)
+    if frame_type is None:
         raise RemoteProtocolError(f"unknown frame type {ftype}")
     if not isinstance(stream_id, int) or isinstance(stream_id, bool):
         raise RemoteProtocolError("stream id must be an integer")
@@ -181,7 +184,7 @@ def _parse_header(header: Any) -> tuple[FrameType, int, int, dict[str, Any]]:
         raise RemoteProtocolError("frame flags must be a 16-bit integer")
     if not isinstance(fields, dict) or not all(isinstance(k, str) for k in fields):
         raise RemoteProtocolError("frame fields must be a map with string keys")
-    return FrameType(ftype), stream_id, flags, fields
+    return frame_type, stream_id, flags, fields
 
 
 class FrameDecoder:
@@ -202,7 +205,7 @@ class FrameDecoder:
         self._pending = bytearray()  # prefix and header bytes not yet parsed
         self._frames: deque[Frame] = deque()
         self._partial: Frame | None = None  # header parsed, payload being filled
-        self._payload: bytearray | None = None
+        self._payload: memoryview | None = None
         self._filled = 0
         self._failed: RemoteProtocolError | None = None
         self.bytes_received = 0
@@ -216,7 +219,9 @@ class FrameDecoder:
         """Add bytes from the network. Raises RemoteProtocolError on bad input."""
         if self._failed is not None:
             raise self._failed
-        view = memoryview(data).cast("B")
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
         self.bytes_received += len(view)
         try:
             self._consume(view)
@@ -267,7 +272,7 @@ class FrameDecoder:
             self._frames.append(frame)
             return
         self._partial = frame
-        self._payload = bytearray(payload_len)
+        self._payload = _allocate(payload_len)
         self._filled = 0
 
     def _check_prefix(self, length: int, hlen: int) -> None:
@@ -284,18 +289,47 @@ class FrameDecoder:
         if hlen > length - 4:
             raise RemoteProtocolError(f"header length {hlen} exceeds frame length {length}")
 
+    def payload_tail(self) -> memoryview | None:
+        """The unfilled part of a large payload being received, or None.
+
+        A transport may read straight into it and then call
+        :meth:`payload_written`, which saves a copy of every payload byte.
+        """
+        if self._payload is None or self._failed is not None:
+            return None
+        return self._payload[self._filled :]
+
+    def payload_written(self, nbytes: int) -> None:
+        """Account for ``nbytes`` written into :meth:`payload_tail`."""
+        if self._payload is None or not 0 <= nbytes <= len(self._payload) - self._filled:
+            raise ValueError("payload_written() does not match payload_tail()")
+        self.bytes_received += nbytes
+        self._filled += nbytes
+        self._complete_payload_if_full()
+
     def _fill_payload(self, view: memoryview, pos: int) -> int:
         payload = self._payload
-        frame = self._partial
-        if payload is None or frame is None:  # pragma: no cover - guarded by caller
+        if payload is None:  # pragma: no cover - guarded by caller
             raise RuntimeError("decoder state corrupted")
         take = min(len(payload) - self._filled, len(view) - pos)
         payload[self._filled : self._filled + take] = view[pos : pos + take]
         self._filled += take
-        if self._filled == len(payload):
-            frame.payload = payload
-            self._frames.append(frame)
-            self._partial = None
-            self._payload = None
-            self._filled = 0
+        self._complete_payload_if_full()
         return pos + take
+
+    def _complete_payload_if_full(self) -> None:
+        frame, payload = self._partial, self._payload
+        if frame is None or payload is None or self._filled < len(payload):
+            return
+        frame.payload = payload
+        self._frames.append(frame)
+        self._partial = None
+        self._payload = None
+        self._filled = 0
+
+
+def _allocate(nbytes: int) -> memoryview:
+    """A writable buffer for a payload; large ones come from the recycling pool."""
+    if nbytes < _LARGE_PAYLOAD:
+        return memoryview(bytearray(nbytes))
+    return default_pool.get(nbytes)
