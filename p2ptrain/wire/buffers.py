@@ -51,7 +51,7 @@ class BufferPool:
             base = np.empty(1 << size_class, dtype=np.uint8)
         view = base[:nbytes]
         weakref.finalize(view, self._release, size_class, base)
-        return memoryview(view)  # a 1-D uint8 array: already format "B"
+        return memoryview(view.data)  # a 1-D uint8 array: already format "B"
 
     def _release(self, size_class: int, base: np.ndarray) -> None:
         with self._lock:
