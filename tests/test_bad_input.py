@@ -12,9 +12,10 @@ from collections.abc import Awaitable, Callable
 
 import msgpack
 import pytest
+import torch
 from conftest import NodeFactory
 
-from p2ptrain.errors import AuthenticationError, HandshakeError
+from p2ptrain.errors import AuthenticationError, HandshakeError, InvalidArgumentError
 from p2ptrain.handshake import AdmissionPolicy, Hello, make_auth, perform_handshake, transcript_hash
 from p2ptrain.identity import Identity
 from p2ptrain.node.config import NodeConfig
@@ -25,6 +26,7 @@ from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.testing.memory import memory_transport_pair
 from p2ptrain.transport.tcp import TCPTransport, tcp_connect
 from p2ptrain.wire.frames import Frame, FrameType, encode_frame
+from p2ptrain.wire.tensors import decode_tensor, encode_tensor
 
 OPEN = AdmissionPolicy()
 
@@ -307,6 +309,30 @@ async def test_window_overrun_resets_only_that_stream(
 
     await while_serving_healthy(server, client, attack)
     assert len(warnings_about(caplog, "overran the stream window")) == 1
+
+
+async def test_tensor_header_disagreeing_with_its_payload(
+    make_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, client = await start_server(make_node), await make_node()
+    attacker = await make_node()
+
+    async def total(ctx: CallContext, request: Message) -> Message:
+        return Message(float(decode_tensor(request.body, request.payload).sum()))
+
+    server.handlers.add_unary("total", total)
+    header, payload = encode_tensor(torch.ones(100))
+    assert (await client.call(server.address, "total", header, payload)).body == 100.0
+    caplog.set_level(logging.WARNING)
+
+    async def attack() -> None:
+        lying = {**header, "s": [101]}  # claims 101 elements, sends 100
+        with pytest.raises(InvalidArgumentError, match="payload"):
+            await attacker.call(server.address, "total", lying, payload, timeout=5)
+
+    await while_serving_healthy(server, client, attack)
+    rejected = warnings_about(caplog, "rejected a 'total' request")
+    assert len(rejected) == 1
 
 
 VANISHING_PEER = """

@@ -331,6 +331,9 @@ class Connection:
         except StreamEndedError:
             stream.reset("invalid_argument", "the stream ended before a request arrived")
         except ProtocolError as exc:
+            logger.warning(
+                "rejected a %r request from %s: %s", context.method, self.remote_peer.short, exc
+            )
             stream.reset("invalid_argument", str(exc))
         except P2PTrainError as exc:
             stream.reset(UnavailableError.code, str(exc))
