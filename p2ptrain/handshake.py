@@ -14,9 +14,7 @@ When a side holds both HELLOs it computes the transcript::
                    pk || n || u32(v) || u64(w) || u64(f))
 
 (``swarm`` as UTF-8 bytes; integers big-endian), so every HELLO field is
-authenticated.
-
-and sends AUTH ``{s: Sign(role || T), a: admission proof}`` where ``role`` is
+authenticated. Then it sends AUTH ``{s: Sign(role || T), a: admission proof}`` where ``role`` is
 ``b"initiator"`` or ``b"responder"`` (so a signature cannot be reflected back
 to its author). Because T contains both fresh nonces, an AUTH recorded from an
 earlier session never verifies again. The admission proof, when the swarm has

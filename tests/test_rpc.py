@@ -219,3 +219,20 @@ async def test_large_transfer_is_intact(make_node: NodeFactory) -> None:
     await stream.end()
     assert (await stream.recv()).body == len(data)
     assert received == data
+
+
+async def test_a_call_refused_locally_leaves_the_connection_healthy(
+    make_node: NodeFactory,
+) -> None:
+    """A request too large for the peer's frame limit fails on our side only."""
+    limits = ConnectionConfig(max_frame_bytes=64 * 1024, max_header_bytes=16 * 1024)
+    server = await make_node(config=NodeConfig(connection=limits))
+    client = await make_node()
+    server.handlers.add_unary("echo", echo)
+    with pytest.raises(LocalProtocolError, match="exceeds the peer's limit"):
+        await client.call(server.address, "echo", None, b"x" * (128 * 1024), timeout=5)
+    conn = client.connection_to(server.peer_id)
+    assert conn is not None and conn.open_streams == 0
+    reply = await client.call(server.address, "echo", "fine", b"y" * 1000, timeout=5)
+    assert reply.body["echo"] == "fine"
+    assert not conn.closed

@@ -36,7 +36,7 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port {self.port} is out of range")
-        if not self.swarm or len(self.swarm) > 256:
-            raise ConfigError("swarm must be a name of 1 to 256 characters")
+        if not self.swarm or len(self.swarm.encode("utf-8")) > 256:
+            raise ConfigError("swarm must be a name of 1 to 256 bytes (UTF-8)")
         if not self.dial_timeout > 0:
             raise ConfigError("dial_timeout must be positive")

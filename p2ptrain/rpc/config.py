@@ -39,12 +39,12 @@ class ConnectionConfig:
     keepalive_misses: int = 3
 
     def __post_init__(self) -> None:
-        if self.max_frame_bytes < 4096:
-            raise ConfigError("max_frame_bytes must be at least 4096")
+        if not 4096 <= self.max_frame_bytes <= 2**32:
+            raise ConfigError("max_frame_bytes must be in [4096, 2**32]")
         if not 256 <= self.max_header_bytes <= self.max_frame_bytes:
             raise ConfigError("max_header_bytes must be in [256, max_frame_bytes]")
-        if self.stream_window < 1024:
-            raise ConfigError("stream_window must be at least 1024")
+        if not 1024 <= self.stream_window <= 2**62:
+            raise ConfigError("stream_window must be in [1024, 2**62]")
         if self.max_streams < 1:
             raise ConfigError("max_streams must be positive")
         if self.write_high_water < 1024:

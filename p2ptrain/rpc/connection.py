@@ -35,9 +35,9 @@ from typing import Any
 from p2ptrain.errors import (
     ConnectionClosedError,
     DeadlineExceededError,
+    LocalProtocolError,
     MethodNotFoundError,
     P2PTrainError,
-    ProtocolError,
     RemoteProtocolError,
     ResourceExhaustedError,
     RPCError,
@@ -129,7 +129,11 @@ class Connection:
     async def open_stream(self, method: str, *, timeout: float | None = None) -> RPCStream:
         """Open a stream to ``method`` on the remote; send and receive on it."""
         stream = self._new_local_stream(method, timeout)
-        await self._send_open(stream, method, timeout, flags=0, message=None)
+        try:
+            await self._send_open(stream, method, timeout, flags=0, message=None)
+        finally:
+            if not stream.opened:
+                self._discard_unopened(stream)
         return stream
 
     async def call(
@@ -154,7 +158,9 @@ class Connection:
             )
             return await stream.recv()
         finally:
-            if not stream.finished:
+            if not stream.opened:
+                self._discard_unopened(stream)
+            elif not stream.finished:
                 stream.reset("cancelled", "caller gave up")
 
     async def ping(self, timeout: float) -> float:
@@ -221,7 +227,8 @@ class Connection:
             self._send_control(Frame(FrameType.PONG, fields={"n": nonce}))
         elif kind is FrameType.PONG:
             nonce = frame.field("n")
-            waiter = self._pings.get(nonce) if isinstance(nonce, int) else None
+            valid = isinstance(nonce, int) and not isinstance(nonce, bool)
+            waiter = self._pings.get(nonce) if valid else None
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
         elif kind is FrameType.GOAWAY:
@@ -256,6 +263,7 @@ class Connection:
             return
         deadline = None if deadline_ms is None else self._loop.time() + deadline_ms / 1000
         stream = self._register(sid, method, deadline)
+        stream.opened = True
         if frame.flags & FLAG_MESSAGE:
             stream._on_message(Message(frame.field("b"), frame.payload), frame.wire_size)
         if frame.ends_stream:
@@ -330,11 +338,14 @@ class Connection:
             stream.reset(exc.code, exc.message)
         except StreamEndedError:
             stream.reset("invalid_argument", "the stream ended before a request arrived")
-        except ProtocolError as exc:
+        except RemoteProtocolError as exc:
             logger.warning(
                 "rejected a %r request from %s: %s", context.method, self.remote_peer.short, exc
             )
             stream.reset("invalid_argument", str(exc))
+        except LocalProtocolError as exc:
+            logger.error("handler %r sent something invalid: %s", context.method, exc)
+            stream.reset("internal", str(exc))
         except P2PTrainError as exc:
             stream.reset(UnavailableError.code, str(exc))
         except Exception as exc:
@@ -436,6 +447,7 @@ class Connection:
                 fields["b"] = body
         frame = Frame(FrameType.OPEN, stream.stream_id, flags, fields, payload)
         size = await self._send_stream_frame(stream, frame)
+        stream.opened = True
         if flags & FLAG_MESSAGE:  # only a message counts against the stream window
             stream._credit -= size
         if flags & FLAG_END:
@@ -458,6 +470,13 @@ class Connection:
         if self.closed:
             return
         self._send_control(Frame(FrameType.RESET, sid, fields={"c": code, "m": message}))
+
+    def _discard_unopened(self, stream: RPCStream) -> None:
+        """Forget a stream whose OPEN never left (the remote never heard of it)."""
+        if self._streams.get(stream.stream_id) is stream:
+            del self._streams[stream.stream_id]
+            if not self._streams:
+                self.idle_since = self._loop.time()
 
     def _maybe_forget(self, stream: RPCStream) -> None:
         if stream.finished and self._streams.get(stream.stream_id) is stream:

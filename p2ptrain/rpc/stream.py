@@ -76,6 +76,8 @@ class RPCStream:
         self._local_ended = False
         self._error: P2PTrainError | None = None
         self.handler_task: asyncio.Task[None] | None = None
+        self.opened = False
+        """Whether the remote knows of this stream (its OPEN was sent or received)."""
 
     # -- public API --------------------------------------------------------------------
 

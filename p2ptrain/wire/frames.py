@@ -191,7 +191,7 @@ class FrameDecoder:
     """Incremental, sans-IO frame decoder.
 
     Args:
-        max_frame_bytes: largest ``length`` accepted (header + payload + 4).
+        max_frame_bytes: largest whole frame accepted (``length`` + 4 bytes).
         max_header_bytes: largest msgpack header accepted.
     """
 
