@@ -137,3 +137,16 @@ def test_addresses_parse_and_print() -> None:
     for bad in ("nohost", "h:0", "h:70000", "h:+1", "h: 1", "::1:80", "x@h:1", "[::1]80", "h:4_0"):
         with pytest.raises(ConfigError):
             PeerAddress.parse(bad)
+
+
+async def test_abort_drops_connections_without_goodbye(make_node: NodeFactory) -> None:
+    a, b = await make_node(), await make_node()
+    b.handlers.add_unary("echo", echo)
+    await a.call(b.address, "echo", 1)
+    conn = a.connection_to(b.peer_id)
+    assert conn is not None
+    closed = asyncio.Event()
+    conn.on_close(lambda _c: closed.set())
+    await b.abort()
+    await asyncio.wait_for(closed.wait(), 5)
+    assert not conn.going_away  # no GOAWAY was sent: the peer just vanished

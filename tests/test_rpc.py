@@ -236,3 +236,29 @@ async def test_a_call_refused_locally_leaves_the_connection_healthy(
     reply = await client.call(server.address, "echo", "fine", b"y" * 1000, timeout=5)
     assert reply.body["echo"] == "fine"
     assert not conn.closed
+
+
+async def test_library_errors_in_handlers_keep_a_meaningful_code(make_node: NodeFactory) -> None:
+    from p2ptrain.errors import ConfigError, ConnectError, RecordRejectedError, UnavailableError
+
+    server, client = await make_node(), await make_node()
+    raised = {
+        "config": ConfigError("bad knob"),
+        "record": RecordRejectedError("bad signature"),
+        "connect": ConnectError("cannot reach the next hop"),
+    }
+
+    def raiser(error: Exception):  # type: ignore[no-untyped-def]
+        async def handler(ctx: CallContext, request: Message) -> Message:
+            raise error
+
+        return handler
+
+    for name, error in raised.items():
+        server.handlers.add_unary(name, raiser(error))
+    with pytest.raises(InvalidArgumentError, match="bad knob"):
+        await client.call(server.address, "config", timeout=5)
+    with pytest.raises(InvalidArgumentError, match="bad signature"):
+        await client.call(server.address, "record", timeout=5)
+    with pytest.raises(UnavailableError, match="next hop"):
+        await client.call(server.address, "connect", timeout=5)

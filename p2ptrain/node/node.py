@@ -133,6 +133,15 @@ class Node:
         conn = await self.connect(target)
         return await conn.open_stream(method, timeout=timeout)
 
+    async def abort(self) -> None:
+        """Stop at once, as a crash would: no goodbye, queued data dropped.
+
+        For tests and simulations of peers that vanish.
+        """
+        for conn in list(self._all):
+            conn.transport.close()
+        await self.aclose()
+
     async def aclose(self) -> None:
         """Stop listening and close every connection."""
         self._closing = True

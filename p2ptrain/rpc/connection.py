@@ -33,8 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 from p2ptrain.errors import (
+    ConfigError,
     ConnectionClosedError,
     DeadlineExceededError,
+    DHTError,
     LocalProtocolError,
     MethodNotFoundError,
     P2PTrainError,
@@ -42,6 +44,7 @@ from p2ptrain.errors import (
     ResourceExhaustedError,
     RPCError,
     StreamEndedError,
+    TransportError,
     TransportTimeoutError,
     UnavailableError,
 )
@@ -346,8 +349,12 @@ class Connection:
         except LocalProtocolError as exc:
             logger.error("handler %r sent something invalid: %s", context.method, exc)
             stream.reset("internal", str(exc))
-        except P2PTrainError as exc:
+        except (ConfigError, DHTError) as exc:  # the request asked for something invalid
+            stream.reset("invalid_argument", str(exc))
+        except TransportError as exc:  # the handler could not reach what it needed
             stream.reset(UnavailableError.code, str(exc))
+        except P2PTrainError as exc:
+            stream.reset("internal", f"{type(exc).__name__}: {exc}")
         except Exception as exc:
             logger.exception("handler %r failed", context.method)
             stream.reset("internal", f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,106 @@
+"""Configuration of a networked DHT peer: the pure limits plus timings of the shell.
+
+:class:`~p2ptrain.dht.config.DHTConfig` describes the Kademlia parameters every
+pure component shares (*k*, *alpha*, sizes, expiration horizon, refresh and
+republish intervals). :class:`DHTNodeConfig` wraps it with what only the
+networked peer needs: whether it accepts connections (client mode), whom it
+bootstraps from, how long it waits for other peers and how often its timers
+run. The CLI maps its flags onto these two dataclasses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from p2ptrain.dht.config import DHTConfig
+from p2ptrain.errors import ConfigError
+from p2ptrain.node.address import PeerAddress
+
+__all__ = ["DHTNodeConfig"]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class DHTNodeConfig:
+    """How one networked DHT peer behaves.
+
+    Attributes:
+        dht: The Kademlia parameters and record limits (see :class:`DHTConfig`).
+        client_mode: The peer cannot accept incoming connections: it queries
+            and stores but announces no address, so it never enters other
+            peers' routing tables and holds no records for others.
+        initial_peers: Addresses to bootstrap from, ``host:port`` or
+            ``peerid@host:port`` (with a PeerID the handshake refuses anybody
+            else at that address).
+        request_timeout: Seconds one request to another peer (dial included)
+            may take before that peer counts as failed for this request.
+        ping_timeout: Seconds to wait for the PING the routing table asks for
+            when a bucket is full; below ``dht.ping_timeout``.
+        maintenance_interval: Seconds between two runs of the timers (bucket
+            refresh, republish, eviction of expired records). Refresh and
+            republish themselves follow ``dht.refresh_interval`` and
+            ``dht.republish_interval``; this is how often they are checked.
+        max_records_per_request: Most records one STORE request may carry (the
+            republish of a large dictionary is split into several requests).
+            Senders split by their own value and receivers refuse more than
+            theirs, so every peer of a swarm must use the same value.
+        max_reply_bytes: Byte budget of the values in one reply. A dictionary
+            larger than this is answered with the entries that expire last.
+            Must stay below the peers' frame limit (16 MiB by default).
+        republish_parallelism: Keys republished (or buckets refreshed) at once.
+        hedge_delay: Seconds a plain get (``latest=False``) waits for the one
+            closest candidate before it asks *alpha* peers at once. Most gets
+            are answered by the first peer asked, so this saves the other
+            queries; a failure or an answer without the value ends the wait at
+            once. 0 asks *alpha* peers from the start.
+    """
+
+    dht: DHTConfig = field(default_factory=DHTConfig)
+    client_mode: bool = False
+    initial_peers: tuple[str, ...] = ()
+    request_timeout: float = 5.0
+    ping_timeout: float = 3.0
+    maintenance_interval: float = 60.0
+    max_records_per_request: int = 1024
+    max_reply_bytes: int = 12 * MiB
+    republish_parallelism: int = 8
+    hedge_delay: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dht, DHTConfig):
+            raise ConfigError("DHTNodeConfig.dht must be a DHTConfig")
+        if not isinstance(self.client_mode, bool):
+            raise ConfigError("DHTNodeConfig.client_mode must be a bool")
+        if isinstance(self.initial_peers, str):
+            raise ConfigError("DHTNodeConfig.initial_peers is a sequence of addresses, not one")
+        peers = tuple(self.initial_peers)
+        for text in peers:
+            if not isinstance(text, str):
+                raise ConfigError(f"an initial peer is an address string, got {text!r}")
+            PeerAddress.parse(text)  # raises ConfigError with the reason
+        object.__setattr__(self, "initial_peers", peers)
+        for name in ("request_timeout", "ping_timeout", "maintenance_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"DHTNodeConfig.{name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"DHTNodeConfig.{name} must be finite and > 0, got {value!r}")
+        if (
+            isinstance(self.hedge_delay, bool)
+            or not isinstance(self.hedge_delay, int | float)
+            or not 0 <= self.hedge_delay < math.inf
+        ):
+            raise ConfigError(f"DHTNodeConfig.hedge_delay must be >= 0, got {self.hedge_delay!r}")
+        if self.ping_timeout >= self.dht.ping_timeout:
+            raise ConfigError(
+                f"DHTNodeConfig.ping_timeout ({self.ping_timeout}) must be below"
+                f" DHTConfig.ping_timeout ({self.dht.ping_timeout})"
+            )
+        for name in ("max_records_per_request", "max_reply_bytes", "republish_parallelism"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"DHTNodeConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_reply_bytes < self.dht.max_value_bytes:
+            raise ConfigError("DHTNodeConfig.max_reply_bytes must hold at least one value")
