@@ -221,16 +221,20 @@ class DHTNode:
         ]
         if not targets:
             return 0
-        greeted = await asyncio.gather(*(self._greet(t) for t in targets))
+        failures: dict[str, str] = {}
+        greeted = await asyncio.gather(*(self._greet(t, failures) for t in targets))
         answered = sum(greeted)
         if not answered:
-            raise LookupFailedError(f"none of the {len(targets)} initial peers answered")
+            reasons = "; ".join(f"{addr}: {why}" for addr, why in failures.items())
+            raise LookupFailedError(
+                f"none of the {len(targets)} initial peers answered ({reasons})"
+            )
         await self._refresh([self.node_id])
         far = [b for b in self.routing_table.buckets if not b.lo <= self.node_id < b.hi]
         await self._refresh([NodeID(self._rng.randrange(b.lo, b.hi)) for b in far])
         return answered
 
-    async def _greet(self, address: PeerAddress) -> bool:
+    async def _greet(self, address: PeerAddress, failures: dict[str, str]) -> bool:
         timeout = self.config.request_timeout
         try:
             async with asyncio.timeout(timeout):
@@ -240,7 +244,8 @@ class DHTNode:
                 )
             reply = PingReply.decode(message.body)
         except _FAILURES as exc:
-            logger.warning("initial peer %s did not answer: %s", address, exc or "timeout")
+            failures[address.endpoint] = str(exc) or "timeout"
+            logger.info("initial peer %s did not answer: %s", address, exc or "timeout")
             return False
         if conn.remote_peer == self.peer_id:
             return False

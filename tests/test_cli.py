@@ -1,0 +1,147 @@
+"""The command line, driven as a user would: real processes, real output."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from p2ptrain.cli import BENCHMARKS, main
+
+COMMANDS = ("demo", "bootstrap", "bench")
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "p2ptrain.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_subcommand_has_help_with_an_example(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: p2ptrain {command}" in out
+    assert "example" in out
+
+
+def test_top_level_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert command in out
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_user_mistakes_get_one_line_errors(busy_port: int, tmp_path: Path) -> None:
+    cases = {
+        ("bootstrap", "--port", str(busy_port)): "address already in use",
+        ("bootstrap", "--port", "0", "--join", "not-an-address"): "bad address",
+        ("bootstrap", "--port", "0", "--join", f"127.0.0.1:{_free_port()}"): "none of the",
+        ("bootstrap", "--port", "0", "--secret-file", str(tmp_path / "no")): "cannot read",
+        ("bootstrap", "--port", "0", "--join", "zz@127.0.0.1:1"): "bad peer id",
+    }
+    for args, expected in cases.items():
+        result = run_cli(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+        assert expected in lines[0], lines[0]
+
+
+def test_refused_admission_is_one_line(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("the-swarm-secret-of-this-test")
+    boot = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "p2ptrain.cli",
+            "bootstrap",
+            "--port",
+            "0",
+            "--secret-file",
+            str(secret),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert boot.stdout is not None
+        assert "ready" in boot.stdout.readline()
+        address = boot.stdout.readline().split("--join", 1)[1].strip()
+        result = run_cli("bootstrap", "--port", "0", "--join", address)
+        assert result.returncode == 2
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        assert "admission" in result.stderr
+    finally:
+        boot.terminate()
+        boot.wait(10)
+
+
+def test_bootstrap_prints_a_joinable_address() -> None:
+    boot = subprocess.Popen(
+        [sys.executable, "-m", "p2ptrain.cli", "bootstrap", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    second = None
+    try:
+        assert boot.stdout is not None
+        assert "ready" in boot.stdout.readline()
+        address = boot.stdout.readline().split("--join", 1)[1].strip()
+        second = subprocess.Popen(
+            [sys.executable, "-m", "p2ptrain.cli", "bootstrap", "--port", "0", "--join", address],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert second.stdout is not None
+        assert "ready" in second.stdout.readline()  # it joined through the first
+    finally:
+        for proc in (second, boot):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+
+
+def test_demo_runs_and_verifies() -> None:
+    result = run_cli("demo", "--peers", "3", "--megabytes", "1", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "3/3 tensors delivered intact" in result.stdout
+
+
+def test_bench_names_match_scripts() -> None:
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    present = {p.stem.removeprefix("bench_") for p in root.glob("bench_*.py")}
+    assert set(BENCHMARKS) >= present - {"webrtc"}
+    result = run_cli("bench", "nope")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
