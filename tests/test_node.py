@@ -150,3 +150,33 @@ async def test_abort_drops_connections_without_goodbye(make_node: NodeFactory) -
     await b.abort()
     await asyncio.wait_for(closed.wait(), 5)
     assert not conn.going_away  # no GOAWAY was sent: the peer just vanished
+
+
+async def test_dialing_from_the_listening_port(make_node: NodeFactory) -> None:
+    """With reuse_port, a node can open connections from its own listening port
+    (what TCP hole punching needs), and handlers see where callers come from."""
+    from p2ptrain.transport.tcp import tcp_connect
+
+    a = await make_node(config=NodeConfig(reuse_port=True))
+    b = await make_node()
+    seen: list[str] = []
+
+    async def where(ctx: CallContext, request: Message) -> Message:
+        seen.append(ctx.remote_address)
+        return Message(ctx.remote_address)
+
+    b.handlers.add_unary("where", where)
+    limits = a.config.connection
+    transport = await tcp_connect(
+        b.address.host,
+        b.address.port,
+        timeout=5,
+        local_addr=("127.0.0.1", a.address.port),
+        max_frame_bytes=limits.max_frame_bytes,
+        max_header_bytes=limits.max_header_bytes,
+        write_high_water=limits.write_high_water,
+    )
+    conn = await a.adopt(transport, initiator=True, expected=b.peer_id)
+    reply = await conn.call("where", timeout=5)
+    assert reply.body == f"127.0.0.1:{a.address.port}"
+    assert a.connection_to(b.peer_id) is conn

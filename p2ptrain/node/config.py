@@ -23,6 +23,8 @@ class NodeConfig:
         admission: shared secret and/or public-key allowlist required of peers.
         connection: limits and timings of every connection.
         dial_timeout: seconds to open a TCP connection.
+        reuse_port: listen with SO_REUSEPORT, so outgoing connections can be
+            opened from the listening port (TCP hole punching needs it).
     """
 
     host: str = "127.0.0.1"
@@ -32,6 +34,7 @@ class NodeConfig:
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     dial_timeout: float = 10.0
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -77,6 +77,7 @@ class Node:
             max_frame_bytes=conn.max_frame_bytes,
             max_header_bytes=conn.max_header_bytes,
             write_high_water=conn.write_high_water,
+            reuse_port=self.config.reuse_port,
         )
         logger.info("node %s listening on %s", self.peer_id.short, self.address.endpoint)
 
@@ -182,6 +183,21 @@ class Node:
             await self._secure(transport, initiator=False, expected=None)
         except (HandshakeError, RemoteProtocolError, TransportError) as exc:
             logger.warning("refused connection from %s: %s", transport.remote_address, exc)
+
+    async def adopt(
+        self, transport: FrameTransport, *, initiator: bool, expected: PeerID | None = None
+    ) -> Connection:
+        """Authenticate a transport opened by other means and add it to the pool.
+
+        For transports this node did not dial itself: a WebRTC data channel,
+        a hole-punched TCP socket, a relayed circuit. The handshake runs end to
+        end over it, so whoever carries the bytes cannot impersonate the peer.
+
+        Raises:
+            HandshakeError: the peer failed authentication or admission.
+            TransportTimeoutError: the handshake did not finish in time.
+        """
+        return await self._secure(transport, initiator=initiator, expected=expected)
 
     async def _secure(
         self, transport: FrameTransport, *, initiator: bool, expected: PeerID | None

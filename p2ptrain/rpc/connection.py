@@ -271,7 +271,9 @@ class Connection:
             stream._on_message(Message(frame.field("b"), frame.payload), frame.wire_size)
         if frame.ends_stream:
             stream._on_remote_end()
-        context = CallContext(self.remote_peer, method, deadline, self.path)
+        context = CallContext(
+            self.remote_peer, method, deadline, self.path, self.transport.remote_address
+        )
         task = self._loop.create_task(self._serve(stream, entry, context), name=f"rpc:{method}")
         stream.handler_task = task
         self._handler_tasks.add(task)

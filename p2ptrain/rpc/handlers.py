@@ -32,6 +32,8 @@ class CallContext:
     """Loop time by which the call must finish, or None."""
     path: str
     """The transport path of the connection, e.g. ``tcp-direct``."""
+    remote_address: str = "?"
+    """Where the caller's connection comes from, as the transport sees it."""
 
 
 UnaryHandler = Callable[[CallContext, Message], Awaitable[Message]]

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 from p2ptrain.errors import (
     ConnectError,
@@ -172,21 +172,45 @@ async def tcp_connect(
     local_addr: tuple[str, int] | None = None,
     path: str = "tcp-direct",
 ) -> TCPTransport:
-    """Open a TCP connection and return its frame transport."""
+    """Open a TCP connection and return its frame transport.
+
+    With ``local_addr`` the socket is bound there first with SO_REUSEADDR and
+    SO_REUSEPORT, so it can share a listening port (TCP hole punching).
+    """
     loop = asyncio.get_running_loop()
     factory = _make_transport_factory(max_frame_bytes, max_header_bytes, write_high_water, path)
-    kwargs: dict[str, Any] = {}
-    if local_addr is not None:
-        kwargs["local_addr"] = local_addr
-        kwargs["reuse_port"] = True
+    sock: socket.socket | None = None
     try:
         async with asyncio.timeout(timeout):
-            _, protocol = await loop.create_connection(factory, host, port, **kwargs)
+            if local_addr is None:
+                _, protocol = await loop.create_connection(factory, host, port)
+            else:
+                sock = _bound_socket(local_addr)
+                await loop.sock_connect(sock, (host, port))
+                _, protocol = await loop.create_connection(factory, sock=sock)
     except TimeoutError as exc:
+        if sock is not None:
+            sock.close()
         raise TransportTimeoutError(f"connecting to {host}:{port} timed out") from exc
     except OSError as exc:
+        if sock is not None:
+            sock.close()
         raise ConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
     return protocol
+
+
+def _bound_socket(local_addr: tuple[str, int]) -> socket.socket:
+    family = socket.AF_INET6 if ":" in local_addr[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setblocking(False)
+        sock.bind(local_addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class TCPListener:
