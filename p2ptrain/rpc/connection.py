@@ -331,6 +331,7 @@ class Connection:
     # -- serving -----------------------------------------------------------------------
 
     async def _serve(self, stream: RPCStream, entry: _Entry, context: CallContext) -> None:
+        stream.handler_started = True
         try:
             if stream.deadline is None:
                 await self._run_handler(stream, entry, context)

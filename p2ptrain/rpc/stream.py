@@ -76,6 +76,7 @@ class RPCStream:
         self._local_ended = False
         self._error: P2PTrainError | None = None
         self.handler_task: asyncio.Task[None] | None = None
+        self.handler_started = False
         self.opened = False
         """Whether the remote knows of this stream (its OPEN was sent or received)."""
 
@@ -208,8 +209,10 @@ class RPCStream:
         _wake(self._recv_waiter)
         _wake(self._credit_waiter)
         self._conn._maybe_forget(self)
+        # A handler that already runs is cancelled; one that has not started yet
+        # runs and meets the error on its first recv/send, so it learns of the stream.
         task = self.handler_task
-        if task is not None and task is not asyncio.current_task():
+        if task is not None and self.handler_started and task is not asyncio.current_task():
             task.cancel()
 
     def _check_can_send(self) -> None:

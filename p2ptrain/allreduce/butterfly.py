@@ -1,0 +1,509 @@
+"""One member's run of one butterfly all-reduce round (the asyncio shell).
+
+Theory of operation
+-------------------
+Member *i* of a :class:`~p2ptrain.allreduce.group.GroupPlan` plays two roles
+at once, and both are streamed chunk by chunk so that receiving, reducing and
+sending back overlap:
+
+* **sender** — for every other member *j* that owns a non-empty part, it
+  opens one stream to *j* (so members in client mode only ever dial out),
+  sends a hello and then its values of *j*'s part chunk by chunk, and reads
+  back the averaged chunks into the output vector;
+* **reducer** — when it owns a non-empty part, every other member's stream
+  lands in :meth:`ButterflyRound.serve`, which feeds the parts to a
+  :class:`~p2ptrain.allreduce.reducer.ShardReducer` and sends each finalized
+  chunk back on every sender's stream.
+
+Parts are sent as zero-copy views of the flat input (codec ``none``); the
+reducer accumulates in place in the output vector; results are decoded from
+the receive buffers and copied once into the output.
+
+Faults: a stream that fails excludes that sender from the chunks it had not
+delivered (at the reducer) or leaves the chunks of that reducer that had not
+arrived at the member's local values (at the sender). At ``reduce_timeout``
+the reducer finalizes every chunk with whatever arrived; at ``round_timeout``
+the call returns whatever happened. Nothing waits longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from p2ptrain.allreduce.aggregation import all_finite
+from p2ptrain.allreduce.config import AllReduceConfig
+from p2ptrain.allreduce.group import GroupPlan
+from p2ptrain.allreduce.protocol import (
+    METHOD,
+    Hello,
+    PartHeader,
+    ResultHeader,
+    codec_for,
+    decode_values,
+    parse_part,
+    parse_result,
+)
+from p2ptrain.allreduce.reducer import ChunkResult, ShardReducer
+from p2ptrain.allreduce.report import AllReduceReport, ShardReport
+from p2ptrain.allreduce.vector import pooled_vector
+from p2ptrain.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    P2PTrainError,
+    PermissionDeniedError,
+    RemoteProtocolError,
+    RPCError,
+    StreamEndedError,
+    TransportError,
+    UnavailableError,
+)
+from p2ptrain.identity import PeerID
+from p2ptrain.node.node import Node
+from p2ptrain.rpc.stream import RPCStream
+
+__all__ = ["ButterflyRound", "RoundObserver"]
+
+logger = logging.getLogger(__name__)
+
+
+class RoundObserver:
+    """Callbacks at protocol events, for tracing and tests; each does nothing here.
+
+    They run on the event loop, synchronously, right after the event.
+    """
+
+    def part_sent(self, reducer: int, chunk: int) -> None:
+        """This member sent its part of ``chunk`` to member ``reducer``."""
+
+    def part_received(self, sender: int, chunk: int) -> None:
+        """This member, as reducer, accepted ``sender``'s part of ``chunk``."""
+
+    def result_sent(self, receiver: int, chunk: int) -> None:
+        """This member, as reducer, sent the average of ``chunk`` to ``receiver``."""
+
+    def result_received(self, reducer: int, chunk: int) -> None:
+        """This member received the average of ``reducer``'s ``chunk``."""
+
+
+class ButterflyRound:
+    """The state of one member in one round; run it once with :meth:`run`.
+
+    Args:
+        node: This member's node.
+        plan: The group plan (this node must be a member).
+        flat: This member's flat float32 vector of ``plan.num_elements``
+            values; read, never modified. Do not modify it during the round.
+        weight: This member's weight (finite, >= 0).
+        config: Codec and aggregation rule.
+        observer: Event callbacks.
+
+    Raises:
+        ConfigError: This node is not a member, or the vector has the wrong size.
+    """
+
+    def __init__(
+        self,
+        node: Node,
+        plan: GroupPlan,
+        flat: torch.Tensor,
+        weight: float,
+        *,
+        config: AllReduceConfig,
+        observer: RoundObserver | None = None,
+    ) -> None:
+        index = plan.index_of(node.peer_id)
+        if index is None:
+            raise ConfigError("this node is not a member of the group")
+        if flat.dtype != torch.float32 or flat.shape != (plan.num_elements,):
+            raise ConfigError(
+                f"the plan averages {plan.num_elements} float32 values, got {tuple(flat.shape)}"
+            )
+        self.node = node
+        self.plan = plan
+        self.index = index
+        self.flat = flat
+        self.weight = weight
+        self.config = config
+        self.observer = observer or RoundObserver()
+        self.out = pooled_vector(plan.num_elements)
+        self._hello = Hello(plan.round_id, plan.digest, weight, config.codec, config.block_size)
+        start, stop = plan.part(index)
+        self.reducer: ShardReducer | None = None
+        if stop > start:
+            self.reducer = ShardReducer(
+                out=self.out[start:stop],
+                local=flat[start:stop],
+                local_index=index,
+                local_weight=weight,
+                senders=range(plan.size),
+                chunk_elements=plan.chunk_elements,
+                config=config,
+            )
+        # Receiving side: for each reducer, per chunk the contributors (() when
+        # nobody contributed, None when no result arrived): local values kept for both.
+        self._received: dict[int, list[tuple[int, ...] | None]] = {
+            j: [None] * len(plan.chunks(j)) for j in plan.reducers() if j != index
+        }
+        self._excluded: dict[int, dict[int, str]] = {j: {} for j in plan.reducers()}
+        self._errors: dict[int, str] = {}
+        self._failed: dict[int, str] = {}
+        self._serving: dict[int, RPCStream] = {}
+        self._writers = 0
+        self._encoded: dict[tuple[int, str, int], tuple[dict[str, Any], memoryview]] = {}
+        self._changed = asyncio.Event()
+        self._closed = False
+        self._loop = asyncio.get_running_loop()
+        self._start = self._loop.time()
+        self._reduce_deadline = self._start + plan.reduce_timeout
+        self._round_deadline = self._start + plan.round_timeout
+        self._parts_sent_at = self._start
+        self._shard_done_at = self._start
+        self._send_span: list[float] = []
+        self._recv_span: list[float] = []
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        if self.reducer is not None and self.reducer.done:
+            self._shard_done_at = self._start
+
+    # -- the call ----------------------------------------------------------------------
+
+    async def run(self) -> tuple[torch.Tensor, AllReduceReport]:
+        """Run the round to its end; return the averaged flat vector and the report."""
+        try:
+            async with asyncio.timeout_at(self._round_deadline), asyncio.TaskGroup() as tasks:
+                for j in self._received:
+                    tasks.create_task(self._exchange(j), name=f"allreduce-send:{j}")
+                if self.reducer is not None:
+                    tasks.create_task(self._reduce_shard(), name="allreduce-reduce")
+        except TimeoutError:
+            logger.warning("round %s: round_timeout passed", self.plan.round_id.hex()[:8])
+        finally:
+            self._close()
+        for j, received in self._received.items():
+            if any(c is None for c in received):
+                self._fail_reducer(j, "round_timeout passed before every average arrived")
+        end = self._loop.time()
+        self._keep_local_where_missing()
+        return self.out, self._report(end)
+
+    # -- sender side -------------------------------------------------------------------
+
+    async def _exchange(self, j: int) -> None:
+        """Send our parts of reducer ``j``'s shard and read back its averages."""
+        member = self.plan.members[j]
+        try:
+            remaining = max(self._round_deadline - self._loop.time(), 1e-3)
+            stream = await self.node.open_stream(member.dial_address, METHOD, timeout=remaining)
+        except P2PTrainError as exc:
+            self._fail_reducer(j, f"cannot open a stream: {exc}", exc)
+            return
+        try:
+            chunks = self.plan.chunks(j)
+            sends = self.weight > 0 and bool(chunks)
+            await stream.send(self._hello.to_body(), end=not sends)
+            async with asyncio.TaskGroup() as tasks:
+                if sends:
+                    tasks.create_task(self._send_parts(j, stream, chunks))
+                tasks.create_task(self._receive_results(j, stream, chunks))
+        except P2PTrainError as exc:
+            self._fail_reducer(j, str(exc), exc)
+        finally:
+            await stream.aclose()
+
+    async def _send_parts(self, j: int, stream: RPCStream, chunks: list[tuple[int, int]]) -> None:
+        codec = codec_for(self.config.codec, self.config.block_size)
+        try:
+            for k, (lo, hi) in enumerate(chunks):
+                header, payload = codec.encode(self.flat[lo:hi])
+                self._mark(self._send_span)
+                await stream.send(PartHeader(k, header).to_body(), payload)
+                self.bytes_sent += payload.nbytes
+                self._mark(self._send_span)
+                self.observer.part_sent(j, k)
+            await stream.end()
+        except P2PTrainError as exc:
+            self._fail_reducer(j, f"sending parts failed: {exc}", exc)
+            stream.reset("cancelled", "sending failed")
+        self._parts_sent_at = max(self._parts_sent_at, self._loop.time())
+
+    async def _receive_results(
+        self, j: int, stream: RPCStream, chunks: list[tuple[int, int]]
+    ) -> None:
+        received = self._received[j]
+        try:
+            for k, (lo, hi) in enumerate(chunks):
+                message = await stream.recv()
+                self._mark(self._recv_span)
+                result = parse_result(
+                    message.body, num_chunks=len(chunks), group_size=self.plan.size
+                )
+                if result.chunk != k:
+                    raise RemoteProtocolError(
+                        f"expected the result of chunk {k}, got {result.chunk}"
+                    )
+                for sender, reason in result.excluded:
+                    self._excluded[j].setdefault(sender, reason)
+                header = result.codec_header
+                if result.contributors and header is not None:
+                    target = self.out[lo:hi]
+                    target.copy_(decode_values(header, message.payload, hi - lo))
+                    if not all_finite(target):  # checked where it is hot in cache
+                        raise RemoteProtocolError(f"the average of chunk {k} is not finite")
+                    self.bytes_received += _nbytes(message.payload)
+                received[k] = result.contributors  # () when nobody contributed
+                self.observer.result_received(j, k)
+        except StreamEndedError:
+            self._fail_reducer(j, "the reducer ended its stream early")
+        except RemoteProtocolError as exc:
+            self._fail_reducer(j, f"bad result: {exc}")
+            stream.reset(InvalidArgumentError.code, str(exc))
+        except P2PTrainError as exc:
+            self._fail_reducer(j, str(exc), exc)
+
+    def _fail_reducer(self, j: int, reason: str, exc: P2PTrainError | None = None) -> None:
+        if j not in self._errors:
+            self._errors[j] = reason
+            self._failed.setdefault(j, reason)
+            logger.info("round %s: reducer %d failed: %s", self.plan.round_id.hex()[:8], j, reason)
+        if isinstance(exc, UnavailableError | TransportError):
+            # The connection to j is gone: as a sender it is gone too. Stop
+            # waiting for it unless its own stream is here (then that
+            # stream's fate decides).
+            self.sender_failed(j, f"connection lost: {exc}")
+
+    def sender_failed(self, index: int, reason: str) -> None:
+        """Stop waiting for member ``index``'s parts unless its stream has joined.
+
+        Used when a member is known to be gone without a stream of its own
+        telling: its connection dropped, or its stream failed before this
+        member entered the round.
+        """
+        reducer = self.reducer
+        if reducer is None or not reducer.is_sender(index) or reducer.joined(index):
+            return
+        self._failed.setdefault(index, reason)
+        self._publish(reducer.exclude(index, reason))
+
+    # -- reducer side ------------------------------------------------------------------
+
+    async def serve(self, peer: PeerID, hello: Hello, stream: RPCStream) -> None:
+        """Serve one sender's stream (called by the service's RPC handler).
+
+        Refusals reset the stream: ``permission_denied`` for a non-member,
+        ``invalid_argument`` for another plan, a member that reduces nothing
+        or a second stream, ``deadline_exceeded`` after the reduce-scatter
+        deadline or the end of the round.
+
+        Args:
+            peer: The authenticated caller.
+            hello: Its validated hello, for this round.
+            stream: The stream, after the hello.
+        """
+        sender = self.plan.index_of(peer)
+        reducer = self.reducer
+        try:
+            if sender is None:
+                raise PermissionDeniedError("not a member of this round's group")
+            if hello.plan_digest != self.plan.digest:
+                raise InvalidArgumentError("the sender holds a different group plan")
+            if reducer is None or sender == self.index:
+                raise InvalidArgumentError("this member reduces no part of the vector")
+            if self._closed or reducer.expired:
+                raise DeadlineExceededError("the reduce-scatter deadline has passed")
+            if sender in self._serving or reducer.joined(sender):
+                raise InvalidArgumentError("a second stream from the same sender")
+            self._publish(reducer.join(sender, hello.weight))
+        except (RPCError, RemoteProtocolError) as exc:
+            if isinstance(exc, RPCError):
+                code, message = exc.code, exc.message
+            else:
+                code, message = InvalidArgumentError.code, str(exc)
+            logger.info("round %s: refused %s: %s", self.plan.round_id.hex()[:8], peer.short, exc)
+            stream.reset(code, message)
+            return
+        self._serving[sender] = stream
+        self._writers += 1
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._read_parts(sender, stream, reducer))
+            # Awaited here, not in a task of its own, so that its ``finally``
+            # (which counts it out) runs even when the handler is cancelled.
+            await self._write_results(sender, hello, stream, reducer)
+
+    async def _read_parts(self, sender: int, stream: RPCStream, reducer: ShardReducer) -> None:
+        while True:
+            try:
+                message = await stream.recv()
+            except StreamEndedError:
+                self._publish(reducer.exclude(sender, "ended its stream before sending every part"))
+                return
+            except P2PTrainError as exc:
+                self._failed.setdefault(sender, f"stream failed: {exc}")
+                self._publish(reducer.exclude(sender, f"stream failed: {exc}"))
+                return
+            try:
+                part = parse_part(message.body, num_chunks=reducer.num_chunks)
+                lo, hi = reducer.bounds[part.chunk]
+                values = decode_values(part.codec_header, message.payload, hi - lo)
+                finalized = reducer.add(sender, part.chunk, values)
+            except RemoteProtocolError as exc:
+                self._failed.setdefault(sender, f"protocol violation: {exc}")
+                self._publish(reducer.exclude(sender, f"protocol violation: {exc}"))
+                stream.reset(InvalidArgumentError.code, str(exc))
+                return
+            self.bytes_received += _nbytes(message.payload)
+            self._mark(self._recv_span)
+            self._publish(finalized)
+            self.observer.part_received(sender, part.chunk)
+
+    async def _write_results(
+        self, sender: int, hello: Hello, stream: RPCStream, reducer: ShardReducer
+    ) -> None:
+        sent = 0
+        try:
+            for k in range(reducer.num_chunks):
+                await self._wait(functools.partial(_finalized_past, reducer, k))
+                result = reducer.results[k]
+                body, payload = self._encode_result(result, hello)
+                self._mark(self._send_span)
+                await stream.send(body, payload)
+                sent += 1
+                self.bytes_sent += _nbytes(payload)
+                self._mark(self._send_span)
+                self.observer.result_sent(sender, k)
+            await stream.end()
+        except P2PTrainError as exc:
+            if sent < reducer.num_chunks:  # else it only closed the stream first
+                self._failed.setdefault(sender, f"sending results failed: {exc}")
+        finally:
+            self._writers -= 1
+            self._notify()
+
+    def _encode_result(
+        self, result: ChunkResult, hello: Hello
+    ) -> tuple[dict[str, Any], memoryview | bytes]:
+        excluded = result.excluded
+        if result.values is None:
+            return ResultHeader(result.index, (), excluded).to_body(), b""
+        key = (result.index, hello.codec, hello.block_size)
+        encoded = self._encoded.get(key)
+        if encoded is None:
+            codec = codec_for(hello.codec, hello.block_size)
+            encoded = self._encoded[key] = codec.encode(result.values)
+        header, payload = encoded
+        body = ResultHeader(result.index, result.contributors, excluded, header).to_body()
+        return body, payload
+
+    async def _reduce_shard(self) -> None:
+        reducer = self.reducer
+        if reducer is None:  # pragma: no cover - only started with a reducer
+            return
+        try:
+            async with asyncio.timeout_at(self._reduce_deadline):
+                await self._wait(lambda: reducer.done)
+        except TimeoutError:
+            self._publish(reducer.expire())
+        # Every sender that can still want results has joined by now.
+        await self._wait(lambda: self._writers == 0)
+
+    def _publish(self, finalized: list[ChunkResult]) -> None:
+        if not finalized:
+            return
+        for result in finalized:
+            for sender, reason in result.excluded:
+                self._excluded[self.index].setdefault(sender, reason)
+        if self.reducer is not None and self.reducer.done:
+            self._shard_done_at = self._loop.time()
+        self._notify()
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    async def _wait(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def _mark(self, span: list[float]) -> None:
+        now = self._loop.time()
+        if span:
+            span[1:] = [now]
+        else:
+            span.extend((now, now))
+
+    def _close(self) -> None:
+        self._closed = True
+        for stream in self._serving.values():
+            stream.reset(DeadlineExceededError.code, "the round is over")
+        self._notify()
+
+    def _keep_local_where_missing(self) -> None:
+        for j, received in self._received.items():
+            for k, (lo, hi) in enumerate(self.plan.chunks(j)):
+                if not received[k]:
+                    self.out[lo:hi].copy_(self.flat[lo:hi])
+        reducer = self.reducer
+        if reducer is not None and not reducer.done:  # the round was cut short
+            start = self.plan.part(self.index)[0]
+            for lo, hi in reducer.bounds[reducer.finalized :]:
+                self.out[start + lo : start + hi].copy_(self.flat[start + lo : start + hi])
+
+    def _report(self, end: float) -> AllReduceReport:
+        shards = []
+        for j in self.plan.reducers():
+            start, stop = self.plan.part(j)
+            if j == self.index and self.reducer is not None:
+                reducer = self.reducer
+                contributors: list[tuple[int, ...] | None] = [
+                    r.contributors or None for r in reducer.results
+                ]
+                contributors += [None] * (reducer.num_chunks - reducer.finalized)
+            else:
+                contributors = [c or None for c in self._received[j]]
+            shards.append(
+                ShardReport(
+                    owner=j,
+                    start=start,
+                    stop=stop,
+                    chunk_contributors=tuple(contributors),
+                    excluded=dict(self._excluded[j]),
+                    error=self._errors.get(j),
+                )
+            )
+        reduce_end = max(self._parts_sent_at, self._shard_done_at)
+        return AllReduceReport(
+            round_id=self.plan.round_id,
+            members=tuple(m.peer_id for m in self.plan.members),
+            index=self.index,
+            weight=self.weight,
+            shards=tuple(shards),
+            failed=dict(self._failed),
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            reduce_scatter_s=reduce_end - self._start,
+            all_gather_s=max(end - reduce_end, 0.0),
+            total_s=end - self._start,
+            send_s=_span(self._send_span),
+            receive_s=_span(self._recv_span),
+            predicted_s=self.plan.predicted_time,
+        )
+
+
+def _finalized_past(reducer: ShardReducer, chunk: int) -> bool:
+    return reducer.finalized > chunk
+
+
+def _span(span: list[float]) -> float:
+    return span[-1] - span[0] if span else 0.0
+
+
+def _nbytes(payload: bytes | bytearray | memoryview) -> int:
+    return payload.nbytes if isinstance(payload, memoryview) else len(payload)

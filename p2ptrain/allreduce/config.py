@@ -1,0 +1,72 @@
+"""Per-call settings of an all-reduce: compression, aggregation rule, robustness knobs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final
+
+from p2ptrain.allreduce.compression import CODEC_NAMES, DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
+from p2ptrain.errors import ConfigError
+
+__all__ = ["AGGREGATION_RULES", "AllReduceConfig"]
+
+AGGREGATION_RULES: Final = ("mean", "trimmed_mean", "centered_clip")
+"""Names of the rules a reducer may aggregate its shard with."""
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduceConfig:
+    """How one peer takes part in one all-reduce call.
+
+    Every member of a group may pass its own config: the codec applies to what
+    this peer sends (its parts) and to the averaged parts it asks reducers to
+    send back; the aggregation rule applies to the shard this peer reduces.
+
+    Attributes:
+        codec: Compression of what is sent, one of ``none``, ``fp16``, ``bf16``,
+            ``int8`` (see :mod:`p2ptrain.allreduce.compression`).
+        block_size: Elements per scale of the ``int8`` codec.
+        aggregation: How this peer, as a reducer, combines the parts of its
+            shard: ``mean`` (weighted mean, streamed in place),
+            ``trimmed_mean`` (coordinate-wise trimmed mean) or
+            ``centered_clip`` (centered clipping). The robust rules and their
+            bounds are described in :mod:`p2ptrain.allreduce.aggregation`.
+        trim: Senders dropped at each end of every coordinate by
+            ``trimmed_mean``; it tolerates up to ``trim`` bad senders per chunk.
+        clip_iterations: Iterations of ``centered_clip``.
+        clip_radius: Clipping radius of ``centered_clip`` (L2 norm per chunk);
+            ``None`` picks the median distance of the senders to the start
+            point, a radius that bad senders in a minority cannot inflate.
+    """
+
+    codec: str = "none"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    aggregation: str = "mean"
+    trim: int = 1
+    clip_iterations: int = 3
+    clip_radius: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODEC_NAMES:
+            raise ConfigError(f"codec must be one of {list(CODEC_NAMES)}, got {self.codec!r}")
+        _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        if self.aggregation not in AGGREGATION_RULES:
+            raise ConfigError(
+                f"aggregation must be one of {list(AGGREGATION_RULES)}, got {self.aggregation!r}"
+            )
+        _check_int("trim", self.trim, 0, 1 << 16)
+        _check_int("clip_iterations", self.clip_iterations, 1, 1000)
+        radius = self.clip_radius
+        if radius is not None and (
+            isinstance(radius, bool)
+            or not isinstance(radius, int | float)
+            or not math.isfinite(radius)
+            or radius <= 0
+        ):
+            raise ConfigError(f"clip_radius must be None or positive and finite, got {radius!r}")
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an int in [{low}, {high}], got {value!r}")

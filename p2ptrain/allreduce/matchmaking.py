@@ -1,0 +1,400 @@
+"""Matchmaking: peers that want to average under one key gather into a group.
+
+Theory of operation
+-------------------
+1. **Announce.** Each peer stores an entry in the DHT dictionary
+   ``matchmaking/<key>`` under a sub-key bound to its own public key (so the
+   entry is signed and nobody can announce in its name): its address (none in
+   client mode) and its capacity (upload and download bytes/s, samples/s,
+   whether it computes).
+2. **Gather.** It re-reads the dictionary every ``poll_interval`` until the
+   group is full (``target_group_size``) or ``window`` seconds have passed.
+3. **Elect.** The leader is the live candidate with the smallest PeerID among
+   those that accept connections. A candidate asks each smaller candidate, in
+   order, whether it is still matchmaking for this key (``mm.ready``); the
+   first that answers leads. If none answers, the candidate leads itself.
+   Client-mode peers never lead; they only wait for a plan.
+4. **Plan.** The leader asks every announced peer ``mm.ready`` in parallel;
+   those that answer in time form the group (peers that left are dropped
+   here). If at least ``min_group_size`` remain, it solves the load-balancing
+   LP over their capacities and sends every member the plan (``mm.plan``);
+   otherwise it tells them the round is off (``mm.plan`` with no plan).
+5. Every member returns the plan; the caller runs the all-reduce with it.
+   A member that gets no plan within ``plan_timeout`` raises
+   :class:`~p2ptrain.errors.MatchmakingError` and carries on alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from p2ptrain.allreduce.group import GroupMember, GroupPlan
+from p2ptrain.allreduce.lp import LoadBalancer
+from p2ptrain.allreduce.partition import PeerCapacity
+from p2ptrain.dht.api import DHT, DictionaryValue
+from p2ptrain.dht.records import key_owner
+from p2ptrain.errors import (
+    ConfigError,
+    IdentityError,
+    InvalidArgumentError,
+    MatchmakingError,
+    P2PTrainError,
+    PermissionDeniedError,
+)
+from p2ptrain.identity import PeerID
+from p2ptrain.node.address import PeerAddress
+from p2ptrain.rpc.handlers import CallContext, Message
+
+__all__ = ["Matchmaker", "MatchmakingConfig", "plan_from_wire", "plan_to_wire"]
+
+logger = logging.getLogger(__name__)
+
+READY_METHOD = "mm.ready"
+PLAN_METHOD = "mm.plan"
+_KEY_PREFIX = "matchmaking/"
+_MEMBER_SUBKEY = b"member"
+
+
+@dataclass(frozen=True)
+class MatchmakingConfig:
+    """How groups are formed.
+
+    Attributes:
+        target_group_size: stop gathering as soon as this many peers announced.
+        min_group_size: fewer live peers than this and the round is off.
+        window: seconds to gather announcements.
+        poll_interval: seconds between reads of the announcements.
+        ready_timeout: seconds the leader waits for each peer's ``mm.ready``.
+        plan_timeout: seconds after the window a member waits for a plan.
+        reduce_timeout: the plan's reduce timeout (see GroupPlan).
+        round_timeout: the plan's round timeout (see GroupPlan).
+        chunk_elements: the plan's chunk size in elements.
+    """
+
+    target_group_size: int = 64
+    min_group_size: int = 2
+    window: float = 3.0
+    poll_interval: float = 0.2
+    ready_timeout: float = 2.0
+    plan_timeout: float = 10.0
+    reduce_timeout: float = 30.0
+    round_timeout: float = 60.0
+    chunk_elements: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_group_size <= self.target_group_size:
+            raise ConfigError("need 1 <= min_group_size <= target_group_size")
+        for name in ("window", "poll_interval", "ready_timeout", "plan_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive")
+        if not 0 < self.reduce_timeout < self.round_timeout:
+            raise ConfigError("need 0 < reduce_timeout < round_timeout")
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    peer_id: PeerID
+    address: PeerAddress | None
+    capacity: PeerCapacity
+
+
+def plan_to_wire(plan: GroupPlan) -> dict[str, Any]:
+    """A GroupPlan as a msgpack-able dict."""
+    return {
+        "r": plan.round_id,
+        "m": [
+            [str(m.peer_id), None if m.address is None else str(m.address)] for m in plan.members
+        ],
+        "b": list(plan.boundaries),
+        "c": plan.chunk_elements,
+        "rt": plan.reduce_timeout,
+        "t": plan.round_timeout,
+        "p": plan.predicted_time,
+    }
+
+
+def plan_from_wire(body: Any) -> GroupPlan:
+    """Parse a plan received from the network (InvalidArgumentError if malformed)."""
+    try:
+        if not isinstance(body, dict) or not isinstance(body.get("m"), list):
+            raise ConfigError("a plan is a map with a member list")
+        members = []
+        for entry in body["m"]:
+            if not isinstance(entry, list) or len(entry) != 2:
+                raise ConfigError("a member is [peer id, address]")
+            peer_id = PeerID.from_string(entry[0]) if isinstance(entry[0], str) else None
+            if peer_id is None or not (entry[1] is None or isinstance(entry[1], str)):
+                raise ConfigError("member fields have the wrong types")
+            address = None if entry[1] is None else PeerAddress.parse(entry[1])
+            members.append(GroupMember(peer_id, address))
+        boundaries = body.get("b")
+        if not isinstance(boundaries, list):
+            raise ConfigError("boundaries must be a list")
+        # GroupPlan validates every field's type and range itself.
+        fields: dict[str, Any] = {
+            "round_id": body.get("r"),
+            "chunk_elements": body.get("c"),
+            "reduce_timeout": body.get("rt"),
+            "round_timeout": body.get("t"),
+            "predicted_time": body.get("p"),
+        }
+        return GroupPlan(members=tuple(members), boundaries=tuple(boundaries), **fields)
+    except (ConfigError, IdentityError) as exc:
+        raise InvalidArgumentError(f"malformed group plan: {exc}") from exc
+
+
+def _capacity_to_wire(capacity: PeerCapacity) -> dict[str, Any]:
+    return {
+        "u": capacity.upload_bytes_per_s,
+        "d": capacity.download_bytes_per_s,
+        "s": capacity.samples_per_s,
+        "x": capacity.computes,
+    }
+
+
+def _parse_candidate(subkey: bytes, value: Any) -> _Candidate | None:
+    owner = key_owner(subkey)
+    if owner is None or not isinstance(value, dict):
+        return None
+    try:
+        peer_id = PeerID.from_public_key(owner)
+        raw_address = value.get("a")
+        address = PeerAddress.parse(raw_address) if isinstance(raw_address, str) else None
+        capacity = PeerCapacity(
+            upload_bytes_per_s=float(value["u"]),
+            download_bytes_per_s=float(value["d"]),
+            samples_per_s=float(value.get("s", 0.0)),
+            client_mode=address is None,
+            computes=bool(value.get("x", True)),
+        )
+    except (KeyError, TypeError, ValueError, P2PTrainError):
+        return None
+    return _Candidate(peer_id, address, capacity)
+
+
+class Matchmaker:
+    """Forms groups over the DHT; one per node.
+
+    Args:
+        dht: the DHT, sharing the node the all-reduce runs on.
+        config: timings and group sizes.
+        capacity: called for this peer's current capacity when announcing.
+        client_mode: this peer cannot accept connections (never leads, owns no part).
+        balancer: the load balancer (a shared one by default).
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: DHT,
+        config: MatchmakingConfig | None = None,
+        capacity: Callable[[], PeerCapacity],
+        client_mode: bool = False,
+        balancer: LoadBalancer | None = None,
+    ) -> None:
+        self.dht = dht
+        self.config = config or MatchmakingConfig()
+        self._capacity = capacity
+        self.client_mode = client_mode
+        self._balancer = balancer or LoadBalancer()
+        self._waiting: dict[str, asyncio.Future[GroupPlan | None]] = {}
+        handlers = dht.node.handlers
+        handlers.add_unary(READY_METHOD, self._on_ready)
+        handlers.add_unary(PLAN_METHOD, self._on_plan)
+
+    def close(self) -> None:
+        """Stop serving matchmaking RPCs."""
+        self.dht.node.handlers.remove(READY_METHOD)
+        self.dht.node.handlers.remove(PLAN_METHOD)
+
+    async def form_group(
+        self, key: str, *, num_elements: int, bytes_per_element: int = 4, target_batch_size: int = 1
+    ) -> GroupPlan:
+        """Join the group for ``key`` and return its plan.
+
+        Raises:
+            MatchmakingError: no group formed (too few live peers, or no plan arrived).
+        """
+        if key in self._waiting:
+            raise ConfigError(f"already matchmaking for {key!r}")
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[GroupPlan | None] = loop.create_future()
+        self._waiting[key] = waiter
+        try:
+            await self._announce(key)
+            candidates = await self._gather(key)
+            if not self.client_mode:
+                leader = await self._elect(key, candidates)
+                if leader is None:
+                    await self._lead(
+                        key,
+                        candidates,
+                        num_elements * bytes_per_element,
+                        num_elements,
+                        target_batch_size,
+                    )
+            try:
+                async with asyncio.timeout(self.config.plan_timeout):
+                    plan = await waiter
+            except TimeoutError:
+                raise MatchmakingError(f"no group plan for {key!r} arrived in time") from None
+            if plan is None:
+                raise MatchmakingError(f"too few live peers for {key!r}")
+            return plan
+        finally:
+            self._waiting.pop(key, None)
+
+    # -- steps ---------------------------------------------------------------------------
+
+    async def _announce(self, key: str) -> None:
+        value = _capacity_to_wire(self._capacity())
+        value["a"] = None if self.client_mode else str(self.dht.address)
+        expiration = self.dht.now() + self.config.window + self.config.plan_timeout + 30
+        await self.dht.store(
+            _KEY_PREFIX + key, value, expiration, subkey=self.dht.owned_key(_MEMBER_SUBKEY)
+        )
+
+    async def _read(self, key: str) -> list[_Candidate]:
+        entries: DictionaryValue = await self.dht.get_dictionary(_KEY_PREFIX + key)
+        found = (_parse_candidate(sub, item.value) for sub, item in entries.items())
+        unique = {c.peer_id: c for c in found if c is not None}
+        return sorted(unique.values(), key=lambda c: c.peer_id)
+
+    async def _gather(self, key: str) -> list[_Candidate]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.window
+        while True:
+            candidates = await self._read(key)
+            if len(candidates) >= self.config.target_group_size or loop.time() >= deadline:
+                return candidates[: self.config.target_group_size]
+            await asyncio.sleep(min(self.config.poll_interval, max(0.0, deadline - loop.time())))
+
+    async def _elect(self, key: str, candidates: list[_Candidate]) -> PeerID | None:
+        """The live leader smaller than us, or None if we lead."""
+        me = self.dht.peer_id
+        for candidate in candidates:
+            if candidate.peer_id >= me:
+                break
+            if candidate.address is not None and await self._is_ready(candidate, key):
+                return candidate.peer_id
+        return None
+
+    async def _lead(
+        self,
+        key: str,
+        candidates: list[_Candidate],
+        vector_bytes: int,
+        num_elements: int,
+        target_batch_size: int,
+    ) -> None:
+        me = self.dht.peer_id
+        others = [c for c in candidates if c.peer_id != me]
+        alive = await asyncio.gather(*(self._is_ready(c, key) for c in others))
+        members = [c for c in candidates if c.peer_id == me]
+        members += [c for c, ok in zip(others, alive, strict=True) if ok]
+        members.sort(key=lambda c: c.peer_id)
+        plan: GroupPlan | None = None
+        if len(members) >= self.config.min_group_size:
+            plan = self._plan(members, vector_bytes, num_elements, target_batch_size)
+            logger.info("leading a group of %d for %s", len(members), key)
+        else:
+            logger.info("too few live peers for %s (%d)", key, len(members))
+        body = None if plan is None else plan_to_wire(plan)
+        await asyncio.gather(
+            *(self._send_plan(c, key, body) for c in members if c.peer_id != me),
+        )
+        waiter = self._waiting.get(key)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(plan)
+
+    def _plan(
+        self,
+        members: list[_Candidate],
+        vector_bytes: int,
+        num_elements: int,
+        target_batch_size: int,
+    ) -> GroupPlan:
+        balanced = self._balancer.plan(
+            [c.capacity for c in members],
+            vector_bytes=max(1, vector_bytes),
+            target_batch_size=max(1, target_batch_size),
+        )
+        cfg = self.config
+        return GroupPlan.from_shares(
+            [GroupMember(c.peer_id, c.address) for c in members],
+            balanced.shares,
+            num_elements,
+            chunk_elements=cfg.chunk_elements,
+            reduce_timeout=cfg.reduce_timeout,
+            round_timeout=cfg.round_timeout,
+            predicted_time=balanced.round_time_s if math.isfinite(balanced.round_time_s) else None,
+        )
+
+    async def _is_ready(self, candidate: _Candidate, key: str) -> bool:
+        if candidate.address is None:
+            return await self._client_is_ready(candidate, key)
+        try:
+            reply = await self.dht.node.call(
+                candidate.address.with_peer(candidate.peer_id),
+                READY_METHOD,
+                key,
+                timeout=self.config.ready_timeout,
+            )
+        except P2PTrainError as exc:
+            logger.debug("%s is not ready for %s: %s", candidate.peer_id.short, key, exc)
+            return False
+        return reply.body is True
+
+    async def _client_is_ready(self, candidate: _Candidate, key: str) -> bool:
+        """A client-mode peer can only be asked over a connection it opened to us."""
+        conn = self.dht.node.connection_to(candidate.peer_id)
+        if conn is None:
+            return False
+        try:
+            reply = await conn.call(READY_METHOD, key, timeout=self.config.ready_timeout)
+        except P2PTrainError:
+            return False
+        return reply.body is True
+
+    async def _send_plan(self, member: _Candidate, key: str, body: Any) -> None:
+        request = {"k": key, "plan": body}
+        try:
+            if member.address is not None:
+                await self.dht.node.call(
+                    member.address.with_peer(member.peer_id),
+                    PLAN_METHOD,
+                    request,
+                    timeout=self.config.ready_timeout,
+                )
+                return
+            conn = self.dht.node.connection_to(member.peer_id)
+            if conn is not None:
+                await conn.call(PLAN_METHOD, request, timeout=self.config.ready_timeout)
+        except P2PTrainError as exc:
+            logger.info("could not send the plan to %s: %s", member.peer_id.short, exc)
+
+    # -- handlers ------------------------------------------------------------------------
+
+    async def _on_ready(self, ctx: CallContext, request: Message) -> Message:
+        waiter = self._waiting.get(request.body) if isinstance(request.body, str) else None
+        return Message(waiter is not None and not waiter.done())
+
+    async def _on_plan(self, ctx: CallContext, request: Message) -> Message:
+        body = request.body
+        if not isinstance(body, dict) or not isinstance(body.get("k"), str):
+            raise InvalidArgumentError("mm.plan needs {k: key, plan: ...}")
+        waiter = self._waiting.get(body["k"])
+        if waiter is None or waiter.done():
+            return Message(False)
+        plan = None if body.get("plan") is None else plan_from_wire(body["plan"])
+        if plan is not None and (
+            plan.index_of(self.dht.peer_id) is None or plan.index_of(ctx.peer) is None
+        ):
+            raise PermissionDeniedError("a plan must come from a member and include us")
+        waiter.set_result(plan)
+        return Message(True)
