@@ -40,11 +40,11 @@ from p2ptrain.dht.api import DHT, DictionaryValue
 from p2ptrain.dht.records import key_owner
 from p2ptrain.errors import (
     ConfigError,
-    IdentityError,
     InvalidArgumentError,
     MatchmakingError,
     P2PTrainError,
     PermissionDeniedError,
+    RemoteProtocolError,
 )
 from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
@@ -104,48 +104,16 @@ class _Candidate:
 
 
 def plan_to_wire(plan: GroupPlan) -> dict[str, Any]:
-    """A GroupPlan as a msgpack-able dict."""
-    return {
-        "r": plan.round_id,
-        "m": [
-            [str(m.peer_id), None if m.address is None else str(m.address)] for m in plan.members
-        ],
-        "b": list(plan.boundaries),
-        "c": plan.chunk_elements,
-        "rt": plan.reduce_timeout,
-        "t": plan.round_timeout,
-        "p": plan.predicted_time,
-    }
+    """A GroupPlan as a msgpack-able dict (:meth:`GroupPlan.to_wire`)."""
+    return plan.to_wire()
 
 
 def plan_from_wire(body: Any) -> GroupPlan:
     """Parse a plan received from the network (InvalidArgumentError if malformed)."""
     try:
-        if not isinstance(body, dict) or not isinstance(body.get("m"), list):
-            raise ConfigError("a plan is a map with a member list")
-        members = []
-        for entry in body["m"]:
-            if not isinstance(entry, list) or len(entry) != 2:
-                raise ConfigError("a member is [peer id, address]")
-            peer_id = PeerID.from_string(entry[0]) if isinstance(entry[0], str) else None
-            if peer_id is None or not (entry[1] is None or isinstance(entry[1], str)):
-                raise ConfigError("member fields have the wrong types")
-            address = None if entry[1] is None else PeerAddress.parse(entry[1])
-            members.append(GroupMember(peer_id, address))
-        boundaries = body.get("b")
-        if not isinstance(boundaries, list):
-            raise ConfigError("boundaries must be a list")
-        # GroupPlan validates every field's type and range itself.
-        fields: dict[str, Any] = {
-            "round_id": body.get("r"),
-            "chunk_elements": body.get("c"),
-            "reduce_timeout": body.get("rt"),
-            "round_timeout": body.get("t"),
-            "predicted_time": body.get("p"),
-        }
-        return GroupPlan(members=tuple(members), boundaries=tuple(boundaries), **fields)
-    except (ConfigError, IdentityError) as exc:
-        raise InvalidArgumentError(f"malformed group plan: {exc}") from exc
+        return GroupPlan.from_wire(body)
+    except RemoteProtocolError as exc:
+        raise InvalidArgumentError(str(exc)) from exc
 
 
 def _capacity_to_wire(capacity: PeerCapacity) -> dict[str, Any]:
