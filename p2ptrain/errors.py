@@ -35,9 +35,12 @@ translated at the I/O edge and chained with ``raise ... from``.
     ├── DHTError
     │   ├── RecordRejectedError          bad signature, oversized, bad expiration
     │   └── LookupFailedError            no node answered
-    └── AllReduceError
-        ├── MatchmakingError             no group could be formed in time
-        └── PeerDroppedError             a peer of the group failed; ``peer`` names it
+    ├── AllReduceError
+    │   ├── MatchmakingError             no group could be formed in time
+    │   └── PeerDroppedError             a peer of the group failed; ``peer`` names it
+    └── TrainingError                    the training layer could not do its job
+        ├── StateSyncError               no peer provided a usable state
+        └── CheckpointError              a checkpoint cannot be written or read
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ __all__ = [
     "AdmissionError",
     "AllReduceError",
     "AuthenticationError",
+    "CheckpointError",
     "ConfigError",
     "ConnectError",
     "ConnectionClosedError",
@@ -72,8 +76,10 @@ __all__ = [
     "RemoteInternalError",
     "RemoteProtocolError",
     "ResourceExhaustedError",
+    "StateSyncError",
     "StreamEndedError",
     "TensorFormatError",
+    "TrainingError",
     "TransportError",
     "TransportTimeoutError",
     "UnavailableError",
@@ -275,3 +281,15 @@ class PeerDroppedError(AllReduceError):
     def __init__(self, message: str, *, peer: str) -> None:
         super().__init__(message)
         self.peer = peer
+
+
+class TrainingError(P2PTrainError):
+    """The training layer could not do its job."""
+
+
+class StateSyncError(TrainingError):
+    """No peer provided a usable training state (unreachable, corrupt, or incompatible)."""
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint cannot be written or read."""

@@ -196,7 +196,7 @@ class Matchmaker:
         try:
             await self._announce(key)
             candidates = await self._gather(key)
-            if not self.client_mode:
+            if not self.client_mode and not waiter.done():  # no plan arrived yet
                 leader = await self._elect(key, candidates)
                 if leader is None:
                     await self._lead(

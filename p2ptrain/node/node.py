@@ -112,6 +112,9 @@ class Node:
             task = asyncio.get_running_loop().create_task(self._dial(address), name=f"dial:{key}")
             self._dials[key] = task
             task.add_done_callback(lambda _t: self._dials.pop(key, None))
+            # Every waiter may have been cancelled: retrieve the outcome so a
+            # failed dial is not reported as "exception never retrieved".
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
 
     async def call(

@@ -1,0 +1,289 @@
+"""One peer of a swarm, for synchronous training code.
+
+A :class:`Peer` is what one training process owns: an event loop in a
+background thread (:class:`~p2ptrain.aio.LoopThread`) and, on that loop, a
+:class:`~p2ptrain.node.node.Node`, a :class:`~p2ptrain.dht.api.DHT` sharing
+the node, the node's :class:`~p2ptrain.allreduce.service.AllReduceService`
+and a :class:`~p2ptrain.allreduce.matchmaking.Matchmaker`. The training loop
+stays ordinary torch code in the main thread and calls into the networking
+with :meth:`Peer.run` (blocking) or :meth:`Peer.submit` (a future)::
+
+    with Peer(PeerConfig(dht=DHTNodeConfig(initial_peers=("peerid@host:port",)))) as peer:
+        print("others can join with", peer.address)
+        value = peer.run(peer.dht.get("run/progress"), timeout=10)
+
+The matchmaker announces the capacity of this peer: bandwidths measured by
+:attr:`Peer.throughput` (the trainers record every all-reduce round in it)
+and the compute throughput set with :meth:`Peer.set_samples_per_s`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from p2ptrain.aio import LoopThread
+from p2ptrain.allreduce.bandwidth import ThroughputConfig, ThroughputMeter
+from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
+from p2ptrain.allreduce.partition import PeerCapacity
+from p2ptrain.allreduce.service import AllReduceService
+from p2ptrain.dht.api import DHT
+from p2ptrain.dht.node_config import DHTNodeConfig
+from p2ptrain.errors import ConfigError
+from p2ptrain.identity import Identity, PeerID
+from p2ptrain.node.config import NodeConfig
+from p2ptrain.node.node import Node
+
+__all__ = ["Peer", "PeerConfig"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"PeerConfig.{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"PeerConfig.{name} must be positive and finite, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Everything one peer needs to join a swarm.
+
+    Attributes:
+        node: How the node listens, dials and admits peers (swarm name,
+            admission secret, limits).
+        dht: The DHT: initial peers to bootstrap from, client mode (a peer
+            that cannot accept connections), timings.
+        matchmaking: How averaging groups form (window, timeouts, sizes).
+        throughput: How this peer's bandwidth is measured, or explicit rates.
+        identity_path: A key file (created if absent) so that the peer keeps
+            its PeerID across restarts; ``None`` uses a fresh identity.
+        default_bytes_per_s: The bandwidth announced for a direction before
+            any transfer was measured.
+        join_timeout: Seconds an all-reduce stream from another member may
+            wait for this peer to enter the round.
+        start_timeout: Seconds :meth:`Peer.start` may take (bootstrap included).
+        close_timeout: Seconds :meth:`Peer.close` waits for a clean shutdown.
+        use_uvloop: Run the loop on uvloop (default: when installed).
+    """
+
+    node: NodeConfig = field(default_factory=NodeConfig)
+    dht: DHTNodeConfig = field(default_factory=DHTNodeConfig)
+    matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    identity_path: str | Path | None = None
+    default_bytes_per_s: float = 12.5e6
+    join_timeout: float = 10.0
+    start_timeout: float = 60.0
+    close_timeout: float = 10.0
+    use_uvloop: bool | None = None
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("node", NodeConfig),
+            ("dht", DHTNodeConfig),
+            ("matchmaking", MatchmakingConfig),
+            ("throughput", ThroughputConfig),
+        )
+        for name, kind in checks:
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"PeerConfig.{name} must be a {kind.__name__}")
+        if self.identity_path is not None and not isinstance(self.identity_path, str | Path):
+            raise ConfigError("PeerConfig.identity_path must be a path or None")
+        for name in ("default_bytes_per_s", "join_timeout", "start_timeout", "close_timeout"):
+            _positive(name, getattr(self, name))
+        if self.use_uvloop is not None and not isinstance(self.use_uvloop, bool):
+            raise ConfigError("PeerConfig.use_uvloop must be a bool or None")
+
+
+class Peer:
+    """The synchronous facade of one peer: loop thread, node, DHT, all-reduce, matchmaking.
+
+    Use as a context manager, or call :meth:`start` and :meth:`close`.
+
+    Args:
+        config: The peer's configuration.
+        identity: The key pair to use; overrides ``config.identity_path``.
+    """
+
+    def __init__(
+        self, config: PeerConfig | None = None, *, identity: Identity | None = None
+    ) -> None:
+        self.config = config or PeerConfig()
+        if identity is None:
+            path = self.config.identity_path
+            identity = Identity.load_or_create(path) if path is not None else Identity.generate()
+        self.identity = identity
+        self.throughput = ThroughputMeter(self.config.throughput)
+        self._loop_thread = LoopThread(use_uvloop=self.config.use_uvloop, name="p2ptrain-peer")
+        self._samples_per_s = 0.0
+        self._node: Node | None = None
+        self._dht: DHT | None = None
+        self._service: AllReduceService | None = None
+        self._matchmaker: Matchmaker | None = None
+        self._state = "new"
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop thread, the node, the DHT (bootstrap) and the services.
+
+        Raises:
+            RuntimeError: The peer was already started.
+            LookupFailedError: Initial peers were given and none answered.
+            TimeoutError: Startup took longer than ``config.start_timeout``.
+        """
+        if self._state != "new":
+            raise RuntimeError(f"the peer cannot start: it is {self._state}")
+        self._state = "starting"
+        self._loop_thread.start()
+        try:
+            self._loop_thread.run(self._astart(), timeout=self.config.start_timeout)
+        except BaseException:
+            self._shutdown()
+            raise
+        self._state = "running"
+        logger.info("peer %s started at %s", self.peer_id.short, self.address)
+
+    def close(self) -> None:
+        """Leave the swarm: stop the services, close the node and the loop thread.
+
+        Idempotent; safe to call on a peer that failed to start.
+        """
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        self._shutdown()
+
+    def __enter__(self) -> Peer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _shutdown(self) -> None:
+        try:
+            self._loop_thread.run(self._aclose(), timeout=self.config.close_timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            logger.warning("peer did not close cleanly: %s", exc)
+        finally:
+            self._loop_thread.stop()
+            self._state = "closed"
+
+    async def _astart(self) -> None:
+        node = Node(identity=self.identity, config=self.config.node)
+        await node.start()
+        self._node = node
+        self._service = AllReduceService(node, join_timeout=self.config.join_timeout)
+        dht = DHT(node=node, config=self.config.dht)
+        await dht.start()
+        self._dht = dht
+        self._matchmaker = Matchmaker(
+            dht=dht,
+            config=self.config.matchmaking,
+            capacity=self.capacity,
+            client_mode=self.config.dht.client_mode,
+        )
+
+    async def _aclose(self) -> None:
+        if self._matchmaker is not None:
+            self._matchmaker.close()
+        if self._service is not None:
+            self._service.close()
+        if self._dht is not None:
+            await self._dht.aclose()
+        if self._node is not None:
+            await self._node.aclose()
+
+    # -- calling into the loop ---------------------------------------------------------
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the peer's loop and wait for its result.
+
+        Raises:
+            TimeoutError: It did not finish within ``timeout`` seconds (it is
+                cancelled then).
+            RuntimeError: Called from the loop's own thread, or the peer is not running.
+        """
+        if self._state != "running":
+            coro.close()
+            raise RuntimeError(f"the peer is {self._state}, not running")
+        return self._loop_thread.run(coro, timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the peer's loop; returns a thread-safe future."""
+        if self._state != "running":
+            coro.close()
+            raise RuntimeError(f"the peer is {self._state}, not running")
+        return self._loop_thread.submit(coro)
+
+    # -- parts -------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether the peer is started and not closed."""
+        return self._state == "running"
+
+    @property
+    def node(self) -> Node:
+        """The peer's node (after :meth:`start`)."""
+        return _started(self._node)
+
+    @property
+    def dht(self) -> DHT:
+        """The DHT on the peer's node (after :meth:`start`)."""
+        return _started(self._dht)
+
+    @property
+    def allreduce(self) -> AllReduceService:
+        """The all-reduce service of the node (after :meth:`start`)."""
+        return _started(self._service)
+
+    @property
+    def matchmaker(self) -> Matchmaker:
+        """The matchmaker (after :meth:`start`)."""
+        return _started(self._matchmaker)
+
+    @property
+    def peer_id(self) -> PeerID:
+        """This peer's PeerID."""
+        return self.identity.peer_id
+
+    @property
+    def address(self) -> str:
+        """The address other peers pass as an initial peer (``peerid@host:port``)."""
+        return str(self.node.address)
+
+    @property
+    def client_mode(self) -> bool:
+        """Whether this peer cannot accept connections."""
+        return self.config.dht.client_mode
+
+    def set_samples_per_s(self, value: float) -> None:
+        """Set the compute throughput that matchmaking announces (samples per second)."""
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"samples per second must be finite and >= 0, got {value!r}")
+        self._samples_per_s = float(value)
+
+    def capacity(self) -> PeerCapacity:
+        """This peer's capacity as the load balancer sees it."""
+        return self.throughput.capacity(
+            default_bytes_per_s=self.config.default_bytes_per_s,
+            samples_per_s=self._samples_per_s,
+            client_mode=self.client_mode,
+        )
+
+
+def _started(part: T | None) -> T:
+    if part is None:
+        raise RuntimeError("the peer is not started")
+    return part

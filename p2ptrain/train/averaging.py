@@ -1,0 +1,223 @@
+"""One swarm step's averaging: matchmaking under the step's key, then the all-reduce.
+
+:meth:`SwarmAverager.average` runs on the peer's loop. It forms a group under
+``<run_id>/step-<step>`` (a group as large as the peers expected in it, so
+it forms as soon as all of them announced), all-reduces the vector weighted by this
+peer's samples, and returns the average with a :class:`RoundOutcome`. It
+never raises for a network failure: when no group forms, or the all-reduce
+fails, it returns this peer's own vector and says why in
+``RoundOutcome.fallback``. A peer alone in the swarm does not matchmake.
+
+:meth:`SwarmAverager.prepare` starts the matchmaking of a step early, in an
+owned background task, so that it overlaps the last local batches; the
+following :meth:`~SwarmAverager.average` for that step takes its plan (or
+matchmakes again if the early attempt failed).
+
+The matchmaker's group size is set per step through its public ``config``
+attribute (the :class:`~p2ptrain.peer.Peer` owns one matchmaker per node; the
+trainer is its only user while it runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from p2ptrain.allreduce.config import AllReduceConfig
+from p2ptrain.allreduce.group import GroupPlan
+from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
+from p2ptrain.allreduce.report import AllReduceReport
+from p2ptrain.errors import ConfigError, MatchmakingError, P2PTrainError
+from p2ptrain.peer import Peer
+
+__all__ = ["RoundOutcome", "SwarmAverager", "step_key"]
+
+logger = logging.getLogger(__name__)
+
+
+def step_key(run_id: str, step: int) -> str:
+    """The matchmaking key of a run's step."""
+    return f"{run_id}/step-{step}"
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How one step's averaging went, for this peer.
+
+    Attributes:
+        step: The step averaged for.
+        group_size: Members of the group (1 when this peer averaged alone).
+        weight: This peer's weight (its samples).
+        fallback: Why this peer kept its own vector (``None`` when it averaged
+            in a group): ``"alone"``, or the matchmaking or all-reduce error.
+        complete: Every part of the vector was averaged by the whole group.
+        matchmaking_s: Seconds from the start of matchmaking (early, if it
+            was prepared) to the plan.
+        allreduce_s: Seconds the all-reduce took.
+        bytes_sent: Tensor bytes this peer sent.
+        bytes_received: Tensor bytes it received.
+        report: The all-reduce report, if an all-reduce ran.
+    """
+
+    step: int
+    group_size: int
+    weight: float
+    fallback: str | None
+    complete: bool
+    matchmaking_s: float
+    allreduce_s: float
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    report: AllReduceReport | None = None
+
+    @property
+    def averaged(self) -> bool:
+        """Whether the vector was averaged in a group (not a local fallback)."""
+        return self.fallback is None
+
+
+class SwarmAverager:
+    """Averages a flat vector with the swarm at each step; one per trainer.
+
+    Args:
+        peer: The started peer (its matchmaker and all-reduce service).
+        run_id: Names the run (prefix of the matchmaking keys).
+        allreduce: Codec and aggregation rule of the all-reduce.
+    """
+
+    def __init__(self, *, peer: Peer, run_id: str, allreduce: AllReduceConfig) -> None:
+        if not run_id:
+            raise ConfigError("run_id must not be empty")
+        self.peer = peer
+        self.run_id = run_id
+        self.allreduce_config = allreduce
+        self._matchmaker: Matchmaker = peer.matchmaker
+        self._base: MatchmakingConfig = self._matchmaker.config
+        self._pending: tuple[int, asyncio.Task[GroupPlan], float] | None = None
+
+    @property
+    def deadline(self) -> float:
+        """The longest one :meth:`average` call can take (matchmaking plus round)."""
+        mm = self._base
+        return mm.window + 2 * mm.ready_timeout + mm.plan_timeout + mm.round_timeout
+
+    async def prepare(self, step: int, *, num_elements: int, group_size: int) -> None:
+        """Start matchmaking for ``step`` in the background (no-op if already started)."""
+        if group_size <= 1:
+            return
+        pending = self._pending
+        if pending is not None and pending[0] == step:
+            return
+        await self._cancel_pending()
+        task = asyncio.get_running_loop().create_task(
+            self._form_group(step, num_elements, group_size), name=f"matchmaking:{step}"
+        )
+        self._pending = (step, task, time.perf_counter())
+
+    async def average(
+        self, step: int, vector: torch.Tensor, weight: float, *, group_size: int
+    ) -> tuple[torch.Tensor, RoundOutcome]:
+        """Average ``vector`` with the group of ``step``, weighted by ``weight``.
+
+        Args:
+            step: The step; every member uses the same.
+            vector: A flat float tensor (not modified).
+            weight: This peer's weight (samples behind the vector), >= 0.
+            group_size: Peers expected in the group, this one included; 1
+                means alone (no matchmaking).
+
+        Returns:
+            The average (or ``vector`` itself on a fallback) and the outcome.
+        """
+        if group_size <= 1:
+            await self._cancel_pending()
+            return vector, RoundOutcome(step, 1, weight, "alone", False, 0.0, 0.0)
+        started = time.perf_counter()
+        plan: GroupPlan | None = None
+        error: str | None = None
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == step:
+            started = min(started, pending[2])
+            try:
+                plan = await pending[1]
+            except P2PTrainError as exc:
+                logger.info("early matchmaking for step %d failed (%s); trying again", step, exc)
+        elif pending is not None:
+            pending[1].cancel()
+            with contextlib.suppress(asyncio.CancelledError, P2PTrainError):
+                await pending[1]
+        if plan is None:
+            try:
+                plan = await self._form_group(step, vector.numel(), group_size)
+            except P2PTrainError as exc:
+                error = f"matchmaking: {exc}"
+        matched = time.perf_counter()
+        if plan is None:
+            logger.warning("step %d: no group (%s); keeping the local average", step, error)
+            return vector, RoundOutcome(step, 1, weight, error, False, matched - started, 0.0)
+        try:
+            averaged, report = await self.peer.allreduce.allreduce(
+                plan, vector, weight, config=self.allreduce_config
+            )
+        except P2PTrainError as exc:
+            finished = time.perf_counter()
+            logger.warning("step %d: all-reduce failed (%s); keeping the local average", step, exc)
+            return vector, RoundOutcome(
+                step,
+                plan.size,
+                weight,
+                f"allreduce: {exc}",
+                False,
+                matched - started,
+                finished - matched,
+            )
+        finished = time.perf_counter()
+        self.peer.throughput.record_round(report)
+        if not report.complete:
+            logger.warning(
+                "step %d: incomplete all-reduce; failed members: %s", step, report.failed
+            )
+        outcome = RoundOutcome(
+            step=step,
+            group_size=plan.size,
+            weight=weight,
+            fallback=None,
+            complete=report.complete,
+            matchmaking_s=matched - started,
+            allreduce_s=finished - matched,
+            bytes_sent=report.bytes_sent,
+            bytes_received=report.bytes_received,
+            report=report,
+        )
+        return averaged, outcome
+
+    async def aclose(self) -> None:
+        """Cancel early matchmaking, if any."""
+        await self._cancel_pending()
+
+    async def _cancel_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[1].cancel()
+            with contextlib.suppress(asyncio.CancelledError, P2PTrainError):
+                await pending[1]
+
+    async def _form_group(self, step: int, num_elements: int, group_size: int) -> GroupPlan:
+        base = self._base
+        size = max(base.min_group_size, min(base.target_group_size, group_size))
+        self._matchmaker.config = dataclasses.replace(base, target_group_size=size)
+        logger.debug("%s: matchmaking for step %d, group of %d", self.peer.peer_id, step, size)
+        limit = base.window + 2 * base.ready_timeout + base.plan_timeout
+        try:
+            async with asyncio.timeout(limit):
+                return await self._matchmaker.form_group(
+                    step_key(self.run_id, step), num_elements=num_elements, target_batch_size=1
+                )
+        except TimeoutError:
+            raise MatchmakingError(f"no group for step {step} within {limit:.1f} s") from None

@@ -1,0 +1,424 @@
+"""The swarm side of a trainer: progress, the decision loop, averaging and state sync.
+
+Both trainers (:class:`~p2ptrain.train.optimizer.CollaborativeOptimizer` and
+:class:`~p2ptrain.train.diloco.DiLoCoOptimizer`) own one
+:class:`Collaboration`. It runs in the training thread and reaches the
+networking on the peer's loop through :meth:`~p2ptrain.peer.Peer.run`:
+
+* :meth:`Collaboration.report` publishes the trainer's step and samples
+  (through a :class:`~p2ptrain.train.tracker.ProgressTracker`);
+* :meth:`Collaboration.advance` applies :func:`~p2ptrain.train.policy.decide`
+  and handles waiting and early matchmaking itself, so the trainer only sees
+  STEP, SYNC or CONTINUE;
+* :meth:`Collaboration.average` averages a vector for a step
+  (:class:`~p2ptrain.train.averaging.SwarmAverager`);
+* :meth:`Collaboration.sync` downloads the state of the most advanced peer
+  that serves one and hands it to the trainer, trying peers in turn;
+* a :class:`~p2ptrain.train.state_sync.StateServer` serves the trainer's own
+  snapshots to others.
+
+It also keeps the figures of :class:`TrainerStats` and, if given a
+:class:`~p2ptrain.metrics.Metrics` registry, records them there (only from
+the training thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from p2ptrain.allreduce.config import AllReduceConfig
+from p2ptrain.errors import ConfigError, StateSyncError
+from p2ptrain.metrics import Metrics
+from p2ptrain.node.address import PeerAddress
+from p2ptrain.peer import Peer
+from p2ptrain.train.averaging import RoundOutcome, SwarmAverager
+from p2ptrain.train.policy import Action, decide, step_is_near
+from p2ptrain.train.progress import ProgressConfig, RateMeter, SwarmProgress
+from p2ptrain.train.state import TrainingSnapshot
+from p2ptrain.train.state_sync import StateServer, StateSyncConfig, download_state
+from p2ptrain.train.tracker import ProgressTracker
+
+__all__ = ["Collaboration", "SwarmSettings", "TrainerStats"]
+
+logger = logging.getLogger(__name__)
+
+_RUN_MARGIN = 30.0  # seconds added to the averager's own deadline before giving up on the loop
+
+
+@dataclass(frozen=True)
+class SwarmSettings:
+    """How a trainer takes part in the swarm; see :class:`~p2ptrain.train.config.TrainerConfig`.
+
+    Attributes:
+        run_id: Names the run.
+        target_batch_size: Samples a step needs (``None``: every peer blocks).
+        progress: Progress publication and reads.
+        allreduce: Codec and aggregation of the all-reduce.
+        state: State serving and downloading.
+        matchmaking_lead: Seconds ahead of a step to matchmake (``None``: half
+            the matchmaking window).
+        sync_tolerance: Steps a peer may lag and still join a step.
+    """
+
+    run_id: str
+    target_batch_size: int | None
+    progress: ProgressConfig
+    allreduce: AllReduceConfig
+    state: StateSyncConfig
+    matchmaking_lead: float | None
+    sync_tolerance: int
+
+
+@dataclass(frozen=True)
+class TrainerStats:
+    """What a trainer did so far.
+
+    Attributes:
+        global_step: Its global step.
+        samples: Samples it computed (every ``step(batch_size)`` call).
+        rounds: Steps averaged in a group.
+        local_rounds: Steps it applied with its own average only (alone, or
+            no group formed).
+        syncs: States downloaded from other peers.
+        bytes_sent: Tensor bytes sent by its all-reduces.
+        bytes_received: Tensor bytes received by its all-reduces.
+        averaging_s: Seconds the training thread spent in averaging (the
+            part of matchmaking that early matchmaking did not hide, and the
+            all-reduce).
+        waiting_s: Seconds it spent waiting for the swarm while blocked.
+        sync_s: Seconds it spent downloading state.
+        matchmaking_s: Seconds from the start of matchmaking to the plan,
+            summed over steps (early matchmaking overlaps computing).
+        allreduce_s: Seconds the all-reduces took, summed over steps.
+    """
+
+    global_step: int = 0
+    samples: int = 0
+    rounds: int = 0
+    local_rounds: int = 0
+    syncs: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    averaging_s: float = 0.0
+    waiting_s: float = 0.0
+    sync_s: float = 0.0
+    matchmaking_s: float = 0.0
+    allreduce_s: float = 0.0
+
+    @property
+    def communication_s(self) -> float:
+        """Seconds the training thread did not compute: averaging, waiting, syncing."""
+        return self.averaging_s + self.waiting_s + self.sync_s
+
+
+class Collaboration:
+    """The swarm side of one trainer (see the module docstring).
+
+    Args:
+        peer: The started peer.
+        settings: Run id, target, configs.
+        snapshot: Returns a consistent copy of the trainer's state; called
+            from a worker thread when another peer downloads it.
+        metrics: Optional registry for the trainer's figures.
+    """
+
+    def __init__(
+        self,
+        *,
+        peer: Peer,
+        settings: SwarmSettings,
+        snapshot: Callable[[], TrainingSnapshot],
+        metrics: Metrics | None = None,
+    ) -> None:
+        if not peer.running:
+            raise ConfigError("the peer must be started before a trainer uses it")
+        self.peer = peer
+        self.settings = settings
+        self.progress_config = settings.progress
+        self.state_config = settings.state
+        self.metrics = metrics
+        self._snapshot = snapshot
+        lead = settings.matchmaking_lead
+        self.lead_time = peer.matchmaker.config.window / 2 if lead is None else lead
+        self._tolerance = settings.sync_tolerance
+        self._averager = SwarmAverager(
+            peer=peer, run_id=settings.run_id, allreduce=settings.allreduce
+        )
+        self._tracker = ProgressTracker(
+            dht=peer.dht,
+            run_id=settings.run_id,
+            config=settings.progress,
+            target_batch_size=settings.target_batch_size,
+            address=None if peer.client_mode else peer.address,
+        )
+        self._server: StateServer | None = None
+        self._rate = RateMeter(settings.progress.smoothing)
+        self._computing_since = time.perf_counter()
+        self._fresh = False
+        self._sync_retry_at = 0.0
+        self._stats = TrainerStats()
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self, step: int) -> SwarmProgress:
+        """Serve state, publish the first record and read the swarm.
+
+        Returns:
+            The swarm's progress; if its global step is ahead of ``step`` the
+            trainer should :meth:`sync` before computing.
+        """
+        if self._started:
+            raise RuntimeError("the trainer is already started")
+
+        async def begin() -> None:
+            self._server = StateServer(self.peer.node, self._snapshot, config=self.state_config)
+            await self._tracker.start(step=step)
+
+        self.peer.run(begin())
+        self._started = True
+        view = self._tracker.view()
+        self._fresh = view.global_step > step
+        self._stats = dataclasses.replace(self._stats, global_step=step)
+        self._computing_since = time.perf_counter()
+        return view
+
+    def close(self) -> None:
+        """Stop publishing and serving (the peer stays up)."""
+        if not self._started:
+            return
+        self._started = False
+
+        async def end() -> None:
+            await self._averager.aclose()
+            await self._tracker.aclose()
+            if self._server is not None:
+                self._server.close()
+
+        if self.peer.running:
+            self.peer.run(end(), timeout=self.peer.config.close_timeout)
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` ran and :meth:`close` did not."""
+        return self._started
+
+    @property
+    def stats(self) -> TrainerStats:
+        """The figures so far."""
+        return self._stats
+
+    @property
+    def samples_per_s(self) -> float:
+        """This peer's recent compute throughput."""
+        return self._rate.value
+
+    def view(self) -> SwarmProgress:
+        """The swarm's progress as last read, with this peer's latest record."""
+        return self._tracker.view()
+
+    # -- the decision loop -------------------------------------------------------------
+
+    def record_batch(self, samples: int) -> None:
+        """Count a local batch of ``samples``, computed since the trainer last returned."""
+        now = time.perf_counter()
+        rate = self._rate.update(samples, now - self._computing_since)
+        self.peer.set_samples_per_s(rate)
+        self._computing_since = now
+        self._add(samples=samples)
+        if self.metrics is not None:
+            self.metrics.inc("train_samples_total", samples)
+            self.metrics.set("train_samples_per_s", rate)
+
+    def report(self, *, step: int, samples: int, blocked: bool) -> None:
+        """Publish the trainer's step and samples toward the next step."""
+        self._tracker.report(
+            step=step, samples=samples, samples_per_s=self._rate.value, blocked=blocked
+        )
+
+    def advance(self, *, step: int, samples: int, blocked: bool, num_elements: int) -> Action:
+        """Decide what the trainer does next; waits while it is blocked.
+
+        Returns:
+            :attr:`Action.STEP`, :attr:`Action.SYNC` or :attr:`Action.CONTINUE`.
+        """
+        waited_since: float | None = None
+        entered = time.monotonic()
+        refreshed = False
+        try:
+            while True:
+                view = self._tracker.view()
+                action = decide(
+                    local_step=step,
+                    local_samples=samples,
+                    blocked=blocked,
+                    swarm=view,
+                    lead_time=self.lead_time,
+                    sync_tolerance=0 if self._fresh else self._tolerance,
+                )
+                if action is Action.SYNC and time.monotonic() < self._sync_retry_at:
+                    action = Action.WAIT if blocked else Action.CONTINUE
+                if (
+                    action is Action.STEP
+                    and not refreshed
+                    and self._tracker.fetched_since < entered
+                ):
+                    # Step on what the others said after our latest report: an
+                    # older view may miss peers (all "blocked" when alone).
+                    self.peer.run(self._tracker.refresh(), timeout=_RUN_MARGIN)
+                    refreshed = True
+                    continue
+                if action is Action.WAIT:
+                    if waited_since is None:
+                        waited_since = time.perf_counter()
+                        self._tracker.set_waiting(True)
+                    if step_is_near(view, self.lead_time):
+                        self._prepare(step, num_elements, view)
+                    wait = self.progress_config.max_fetch_interval
+                    self.peer.run(self._tracker.wait_for_fetch(wait), timeout=wait + _RUN_MARGIN)
+                    continue
+                if action is Action.PREPARE:
+                    self._prepare(step, num_elements, view)
+                    action = Action.CONTINUE
+                self._gauges(view)
+                return action
+        finally:
+            if waited_since is not None:
+                self._tracker.set_waiting(False)
+                waited = time.perf_counter() - waited_since
+                self._add(waiting_s=waited)
+                if self.metrics is not None:
+                    self.metrics.observe("train_wait_seconds", waited)
+            self._computing_since = time.perf_counter()
+
+    def _prepare(self, step: int, num_elements: int, view: SwarmProgress) -> None:
+        # Early groups are sized from the view of now: only form one when no
+        # peer's record is so far behind that it may be stale (a peer that
+        # just synced would be left out).
+        group_size = 1 + view.expected_in_group(step, exclude=self.peer.peer_id)
+        if group_size > 1 and view.lagging(step) == 0:
+            self.peer.run(
+                self._averager.prepare(step, num_elements=num_elements, group_size=group_size)
+            )
+
+    # -- averaging ---------------------------------------------------------------------
+
+    def average(
+        self, step: int, vector: torch.Tensor, weight: float
+    ) -> tuple[torch.Tensor, RoundOutcome]:
+        """Average ``vector`` with the swarm for ``step`` (see :class:`SwarmAverager`)."""
+        view = self._tracker.view()
+        group_size = 1 + view.expected_in_group(step, exclude=self.peer.peer_id)
+        started = time.perf_counter()
+        averaged, outcome = self.peer.run(
+            self._averager.average(step, vector, weight, group_size=group_size),
+            timeout=self._averager.deadline + _RUN_MARGIN,
+        )
+        self._add(
+            rounds=int(outcome.averaged),
+            local_rounds=int(not outcome.averaged),
+            bytes_sent=outcome.bytes_sent,
+            bytes_received=outcome.bytes_received,
+            averaging_s=time.perf_counter() - started,
+            matchmaking_s=outcome.matchmaking_s,
+            allreduce_s=outcome.allreduce_s,
+        )
+        if self.metrics is not None:
+            labels = {"outcome": "group" if outcome.averaged else "local"}
+            self.metrics.inc("train_rounds_total", 1, labels)
+            self.metrics.inc("train_allreduce_bytes_sent_total", outcome.bytes_sent)
+            self.metrics.inc("train_allreduce_bytes_received_total", outcome.bytes_received)
+            self.metrics.observe("train_matchmaking_seconds", outcome.matchmaking_s)
+            if outcome.report is not None:
+                self.metrics.observe("train_allreduce_seconds", outcome.allreduce_s)
+        return averaged, outcome
+
+    def stepped(self, step: int) -> None:
+        """The trainer applied a step and is now at ``step`` with no samples."""
+        self._fresh = False
+        self._stats = dataclasses.replace(self._stats, global_step=step)
+        self.report(step=step, samples=0, blocked=False)
+        self._computing_since = time.perf_counter()  # averaging is not computing
+        if self.metrics is not None:
+            self.metrics.set("train_global_step", step)
+
+    def moved_past(self, step: int) -> bool:
+        """Whether some peer already finished ``step`` (reads the swarm's records now)."""
+        if self._tracker.view().peers_online <= 1:
+            return False
+        view = self.peer.run(self._tracker.refresh(), timeout=_RUN_MARGIN)
+        return view.global_step > step
+
+    # -- state sync --------------------------------------------------------------------
+
+    def sync(
+        self, *, local_step: int, apply: Callable[[TrainingSnapshot], None]
+    ) -> TrainingSnapshot:
+        """Download the most advanced state that ``apply`` accepts, trying peers in turn.
+
+        Args:
+            local_step: The trainer's step; only peers ahead of it are asked.
+            apply: Installs a snapshot in the trainer; raises StateSyncError
+                to refuse it (e.g. another model).
+
+        Raises:
+            StateSyncError: No peer ahead provided a usable state; the trainer
+                will not try again for ``state.retry_interval`` seconds.
+        """
+        started = time.perf_counter()
+        view = self.peer.run(self._tracker.refresh(), timeout=_RUN_MARGIN)
+        sources = [r for r in view.sources(exclude=self.peer.peer_id) if r.step > local_step]
+        errors: list[str] = []
+        for record in sources:
+            address = PeerAddress.parse(record.address or "").with_peer(record.peer_id)
+            try:
+                snapshot = self.peer.run(
+                    download_state(self.peer.node, address, config=self.state_config),
+                    timeout=self.state_config.timeout + _RUN_MARGIN,
+                )
+                apply(snapshot)
+            except StateSyncError as exc:
+                logger.warning("state from %s refused: %s", record.peer_id.short, exc)
+                errors.append(f"{record.peer_id.short}: {exc}")
+                continue
+            self._fresh = False
+            seconds = time.perf_counter() - started
+            self._add(syncs=1, sync_s=seconds)
+            self._stats = dataclasses.replace(self._stats, global_step=snapshot.step)
+            self.report(step=snapshot.step, samples=0, blocked=False)
+            if self.metrics is not None:
+                self.metrics.inc("train_state_downloads_total")
+                self.metrics.observe("train_state_download_seconds", seconds)
+                self.metrics.set("train_global_step", snapshot.step)
+            logger.info(
+                "downloaded the state of step %d from %s in %.2f s",
+                snapshot.step,
+                record.peer_id.short,
+                seconds,
+            )
+            self._computing_since = time.perf_counter()
+            return snapshot
+        self._sync_retry_at = time.monotonic() + self.state_config.retry_interval
+        self._add(sync_s=time.perf_counter() - started)
+        reasons = "; ".join(errors) or "no peer ahead serves its state"
+        raise StateSyncError(f"no usable state for step > {local_step} ({reasons})")
+
+    # -- figures -----------------------------------------------------------------------
+
+    def _add(self, **deltas: float) -> None:
+        stats = self._stats
+        self._stats = dataclasses.replace(
+            stats, **{name: getattr(stats, name) + value for name, value in deltas.items()}
+        )
+
+    def _gauges(self, view: SwarmProgress) -> None:
+        if self.metrics is not None:
+            self.metrics.set("train_swarm_samples_per_s", view.samples_per_s)
+            self.metrics.set("train_peers_online", view.peers_online)
+            self.metrics.set("train_swarm_global_step", view.global_step)

@@ -1,0 +1,162 @@
+"""Configuration of the trainers: :class:`TrainerConfig` and :class:`DiLoCoConfig`.
+
+Both hold the run's name, how steps are triggered, and the configs of the
+parts they use (progress tracking, all-reduce codec, state sync). Network
+and matchmaking settings belong to the :class:`~p2ptrain.peer.PeerConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from p2ptrain.allreduce.config import AllReduceConfig
+from p2ptrain.errors import ConfigError
+from p2ptrain.train.progress import ProgressConfig
+from p2ptrain.train.state_sync import StateSyncConfig
+
+__all__ = ["DiLoCoConfig", "TrainerConfig"]
+
+_MAX_SAMPLES = 2**62
+
+
+def _check_run_id(owner: str, run_id: object) -> None:
+    if not isinstance(run_id, str) or not 0 < len(run_id.encode("utf-8")) <= 200:
+        raise ConfigError(f"{owner}.run_id must be a name of 1 to 200 bytes, got {run_id!r}")
+    if "/" in run_id:
+        raise ConfigError(f"{owner}.run_id must not contain '/' (it prefixes DHT keys)")
+
+
+def _check_int(owner: str, name: str, value: object, *, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_SAMPLES:
+        raise ConfigError(f"{owner}.{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_lead(owner: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{owner}.matchmaking_lead must be a number or None")
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{owner}.matchmaking_lead must be finite and >= 0")
+
+
+def _check_parts(owner: str, allreduce: object, progress: object, state: object) -> None:
+    if not isinstance(allreduce, AllReduceConfig):
+        raise ConfigError(f"{owner}.allreduce must be an AllReduceConfig")
+    if not isinstance(progress, ProgressConfig):
+        raise ConfigError(f"{owner}.progress must be a ProgressConfig")
+    if not isinstance(state, StateSyncConfig):
+        raise ConfigError(f"{owner}.state must be a StateSyncConfig")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """How a :class:`~p2ptrain.train.optimizer.CollaborativeOptimizer` trains with the swarm.
+
+    Attributes:
+        run_id: Names the run; peers with the same run id train together.
+            It prefixes the DHT keys (``<run_id>/progress``, ``<run_id>/step-<n>``).
+        target_batch_size: Samples the swarm accumulates, all peers together,
+            before each step.
+        max_local_samples_per_step: If set, a peer that accumulated this many
+            samples toward a step waits in ``step()`` until the step happens.
+            That bounds each peer's share of a step; with ``target_batch_size``
+            equal to peers × this, every step averages exactly one batch of
+            each peer. When every live peer waits, the step happens even below
+            the target.
+        matchmaking_lead: Start matchmaking when the step is estimated to be
+            this many seconds away, overlapping the last local batches.
+            0: only when the step is due. ``None``: half the matchmaking
+            window, or 0 with ``max_local_samples_per_step`` (an early group
+            is sized from what the peer knows then, and may leave out a peer
+            that joined meanwhile; a group formed when the step is due holds
+            every contributor the step counted).
+        sync_tolerance: Steps a peer may lag behind the swarm and still take
+            part in a step; further behind, it downloads the swarm's state.
+        allreduce: Codec and aggregation rule of the gradient all-reduce.
+        progress: How often progress is published and read.
+        state: How training state is served and downloaded.
+    """
+
+    run_id: str
+    target_batch_size: int
+    max_local_samples_per_step: int | None = None
+    matchmaking_lead: float | None = None
+    sync_tolerance: int = 1
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
+    state: StateSyncConfig = field(default_factory=StateSyncConfig)
+
+    def __post_init__(self) -> None:
+        _check_run_id("TrainerConfig", self.run_id)
+        _check_int("TrainerConfig", "target_batch_size", self.target_batch_size)
+        if self.max_local_samples_per_step is not None:
+            _check_int(
+                "TrainerConfig", "max_local_samples_per_step", self.max_local_samples_per_step
+            )
+        _check_lead("TrainerConfig", self.matchmaking_lead)
+        _check_int("TrainerConfig", "sync_tolerance", self.sync_tolerance, low=0)
+        _check_parts("TrainerConfig", self.allreduce, self.progress, self.state)
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """How a :class:`~p2ptrain.train.diloco.DiLoCoOptimizer` trains with the swarm.
+
+    Every peer runs ``inner_steps`` steps of its inner optimizer (AdamW in
+    DiLoCo), then the swarm averages the pseudo-gradients (parameters at the
+    start of the round minus parameters now, weighted by samples) and every
+    peer applies them with the outer optimizer, SGD with Nesterov momentum,
+    to the start-of-round parameters.
+
+    Attributes:
+        run_id: Names the run (see :class:`TrainerConfig`).
+        inner_steps: Inner optimizer steps per round (H).
+        outer_lr: Learning rate of the outer SGD.
+        outer_momentum: Momentum of the outer SGD.
+        nesterov: Use Nesterov momentum.
+        target_batch_size: Samples (all peers together) after which a round
+            ends even if some peers have not finished their inner steps;
+            ``None`` waits for every live peer.
+        matchmaking_lead: See :class:`TrainerConfig`; default 0 (rounds end
+            when every peer waits, so there is nothing to overlap).
+        sync_tolerance: See :class:`TrainerConfig`.
+        allreduce: Codec of the pseudo-gradient all-reduce (``fp16`` halves
+            the bytes again).
+        progress: How often progress is published and read.
+        state: How training state is served and downloaded.
+    """
+
+    run_id: str
+    inner_steps: int = 100
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    target_batch_size: int | None = None
+    matchmaking_lead: float | None = 0.0
+    sync_tolerance: int = 1
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
+    state: StateSyncConfig = field(default_factory=StateSyncConfig)
+
+    def __post_init__(self) -> None:
+        _check_run_id("DiLoCoConfig", self.run_id)
+        _check_int("DiLoCoConfig", "inner_steps", self.inner_steps)
+        for name in ("outer_lr", "outer_momentum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"DiLoCoConfig.{name} must be a number")
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"DiLoCoConfig.{name} must be finite and >= 0")
+        if not self.outer_lr > 0:
+            raise ConfigError("DiLoCoConfig.outer_lr must be positive")
+        if not isinstance(self.nesterov, bool):
+            raise ConfigError("DiLoCoConfig.nesterov must be a bool")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ConfigError("DiLoCoConfig.nesterov needs a positive outer_momentum")
+        if self.target_batch_size is not None:
+            _check_int("DiLoCoConfig", "target_batch_size", self.target_batch_size)
+        _check_lead("DiLoCoConfig", self.matchmaking_lead)
+        _check_int("DiLoCoConfig", "sync_tolerance", self.sync_tolerance, low=0)
+        _check_parts("DiLoCoConfig", self.allreduce, self.progress, self.state)

@@ -1,0 +1,171 @@
+"""DiLoCo: many local steps, then one averaged outer step (Douillard et al., 2023).
+
+Each round, every peer takes ``inner_steps`` (H) steps of its inner optimizer
+(AdamW in the paper) on its own data, then the swarm averages the
+*pseudo-gradient* ``θ_start − θ_now`` (weighted by the samples behind it) with
+the same matchmaking and all-reduce as
+:class:`~p2ptrain.train.optimizer.CollaborativeOptimizer`, and every peer
+applies it with the outer optimizer, SGD with Nesterov momentum, to the
+start-of-round parameters ``θ_start``. The vector averaged is as large as one
+gradient, but it is averaged once per H local steps instead of once per
+step: communication drops about H-fold.
+
+A round ends when every live peer has finished its inner steps (peers that
+finish early wait), or, with ``target_batch_size``, when the swarm processed
+that many samples in the round. The state served to late joiners is the
+start-of-round parameters with the inner and outer optimizer states, and the
+round counter as the global step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import torch
+
+from p2ptrain.errors import ConfigError
+from p2ptrain.metrics import Metrics
+from p2ptrain.peer import Peer
+from p2ptrain.train.base import SwarmTrainer, check_params, load_optimizer_state
+from p2ptrain.train.collaboration import SwarmSettings
+from p2ptrain.train.config import DiLoCoConfig
+from p2ptrain.train.state import TrainingSnapshot
+
+__all__ = ["DiLoCoOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+
+class DiLoCoOptimizer(SwarmTrainer):
+    """Trains with the swarm in DiLoCo rounds (see the module docstring).
+
+    Use like :class:`~p2ptrain.train.optimizer.CollaborativeOptimizer`: call
+    :meth:`step` after each local ``backward()``. The global step it reports
+    is the number of outer steps.
+
+    Args:
+        optimizer: The inner optimizer (typically ``torch.optim.AdamW``).
+        peer: The started peer to train through.
+        config: The run, H and the outer optimizer's settings.
+        metrics: Optional registry for the trainer's figures.
+    """
+
+    kind: ClassVar[str] = "diloco"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        peer: Peer,
+        config: DiLoCoConfig,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if not isinstance(config, DiLoCoConfig):
+            raise ConfigError("config must be a DiLoCoConfig")
+        super().__init__(optimizer, peer=peer, metrics=metrics)
+        self.config = config
+        self._start = [p.detach().clone() for p in self._params]
+        self.outer_optimizer = torch.optim.SGD(
+            self._params,
+            lr=config.outer_lr,
+            momentum=config.outer_momentum,
+            nesterov=config.nesterov,
+        )
+        self._inner_done = 0
+        self._numel = sum(p.numel() for p in self._params)
+
+    @property
+    def inner_steps_done(self) -> int:
+        """Inner steps taken in the current round."""
+        return self._inner_done
+
+    def step(self, batch_size: int) -> bool:
+        """Take an inner step on the local gradients; end the round after H of them.
+
+        Returns:
+            Whether an outer step happened (or a downloaded state was installed).
+
+        Raises:
+            ConfigError: ``batch_size`` is not an int >= 0.
+            RuntimeError: The optimizer is not started.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+            raise ConfigError(f"batch_size must be an int >= 0, got {batch_size!r}")
+        collab = self._collaboration
+        with self._lock:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self._inner_done += 1
+        self._samples += batch_size
+        collab.record_batch(batch_size)
+        return self._advance(self._numel)
+
+    @property
+    def _blocked(self) -> bool:
+        return self._inner_done >= self.config.inner_steps
+
+    def _settings(self) -> SwarmSettings:
+        cfg = self.config
+        return SwarmSettings(
+            run_id=cfg.run_id,
+            target_batch_size=cfg.target_batch_size,
+            progress=cfg.progress,
+            allreduce=cfg.allreduce,
+            state=cfg.state,
+            matchmaking_lead=cfg.matchmaking_lead,
+            sync_tolerance=cfg.sync_tolerance,
+        )
+
+    def _pseudo_gradient(self) -> torch.Tensor:
+        with torch.no_grad():
+            parts = [
+                (start.float() - p.detach().float()).reshape(-1)
+                for start, p in zip(self._start, self._params, strict=True)
+            ]
+        return torch.cat(parts)
+
+    def _global_step(self) -> None:
+        samples = self._samples
+        vector = self._pseudo_gradient() if samples > 0 else torch.zeros(self._numel)
+        averaged = self._average(vector, float(samples))
+        if averaged is None:  # the swarm's state was downloaded instead
+            return
+        apply = averaged is not vector or samples > 0
+        with self._lock, torch.no_grad():
+            offset = 0
+            for p, start in zip(self._params, self._start, strict=True):
+                p.copy_(start)
+                delta = averaged[offset : offset + p.numel()].view(p.shape)
+                p.grad = delta.to(p.dtype)
+                offset += p.numel()
+            if apply:
+                self.outer_optimizer.step()
+            else:
+                logger.warning("round %d: nothing to apply (no samples, no group)", self._step)
+            for p, start in zip(self._params, self._start, strict=True):
+                p.grad = None
+                start.copy_(p)
+            self._step += 1
+        self._inner_done = 0
+        self._stepped()
+
+    def _capture(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "params": list(self._start),
+            "inner": self.optimizer.state_dict(),
+            "outer": self.outer_optimizer.state_dict(),
+        }
+
+    def _install(self, snapshot: TrainingSnapshot) -> None:
+        state = snapshot.state
+        params = check_params(state.get("params"), self._params)
+        load_optimizer_state(self.optimizer, state.get("inner"), "inner optimizer")
+        load_optimizer_state(self.outer_optimizer, state.get("outer"), "outer optimizer")
+        with torch.no_grad():
+            for p, start, value in zip(self._params, self._start, params, strict=True):
+                p.copy_(value)
+                start.copy_(value)
+                p.grad = None
+        self._inner_done = 0

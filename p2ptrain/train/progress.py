@@ -1,0 +1,336 @@
+"""Training progress of a swarm: per-peer records and their aggregate (pure, no I/O).
+
+Every peer publishes a :class:`PeerProgress` in the DHT dictionary
+``<run_id>/progress``, under a sub-key bound to its own key (so the record is
+signed and nobody can publish in its name), and refreshes it before it
+expires. Anyone can :func:`aggregate` the records it reads into a
+:class:`SwarmProgress`:
+
+* the swarm's *global step* is the highest step any live peer reports;
+* the samples accumulated toward it are those of the peers at that step
+  (peers still at an older step have not started on it);
+* the swarm is *ready* to step when those samples reach the target batch
+  size, or when every live peer is at the global step and blocked (it has
+  accumulated all it may, so waiting longer can only stall);
+* the estimated time to the target extrapolates every unblocked peer at the
+  global step at its reported rate from the time of its record.
+
+:class:`RateMeter` turns a peer's batches into the samples/s it reports.
+Time is an argument everywhere: the functions here never read a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from p2ptrain.errors import ConfigError, RemoteProtocolError
+from p2ptrain.identity import PeerID
+from p2ptrain.node.address import PeerAddress
+
+__all__ = [
+    "PeerProgress",
+    "ProgressConfig",
+    "RateMeter",
+    "SwarmProgress",
+    "aggregate",
+    "next_fetch_delay",
+]
+
+_MAX_STEP = 2**62
+_MAX_SAMPLES = 2**62
+
+
+def _check_number(owner: str, name: str, value: object, *, low: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{owner}.{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= low:
+        raise ConfigError(f"{owner}.{name} must be finite and > {low}, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ProgressConfig:
+    """How often progress is published and read.
+
+    Attributes:
+        publish_interval: Least seconds between two publications that only
+            change the sample count. A new step, a change of the blocked flag,
+            or a sample count that makes the swarm ready is published at once.
+        heartbeat_interval: A record is republished at least this often, so
+            that it outlives long batches.
+        expiration: Lifetime of a record in seconds. A peer that dies stops
+            counting after at most this long; longer than ``heartbeat_interval``.
+        min_fetch_interval: Least seconds between two reads of the swarm's
+            records (used while a step is near or this peer waits).
+        max_fetch_interval: Most seconds between two reads.
+        smoothing: Weight of a new measurement in the samples/s moving average.
+    """
+
+    publish_interval: float = 1.0
+    heartbeat_interval: float = 5.0
+    expiration: float = 20.0
+    min_fetch_interval: float = 0.2
+    max_fetch_interval: float = 5.0
+    smoothing: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in (
+            "publish_interval",
+            "heartbeat_interval",
+            "expiration",
+            "min_fetch_interval",
+            "max_fetch_interval",
+        ):
+            _check_number("ProgressConfig", name, getattr(self, name), low=0.0)
+        if self.expiration <= self.heartbeat_interval:
+            raise ConfigError("ProgressConfig.expiration must exceed heartbeat_interval")
+        if self.max_fetch_interval < self.min_fetch_interval:
+            raise ConfigError("ProgressConfig.max_fetch_interval must be >= min_fetch_interval")
+        smoothing = _check_number("ProgressConfig", "smoothing", self.smoothing, low=0.0)
+        if smoothing > 1:
+            raise ConfigError("ProgressConfig.smoothing must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """What one peer says about its training.
+
+    Attributes:
+        peer_id: Who reports (the owner of the record's sub-key).
+        step: The peer's global step: the number of swarm steps it has applied.
+        samples: Samples it accumulated toward its next step.
+        samples_per_s: Its recent compute throughput.
+        time: When it wrote the record (its clock, Unix seconds).
+        blocked: It accumulated all it may for this step and waits for the swarm.
+        address: Where it serves its state (``peerid@host:port``), or ``None``
+            in client mode.
+    """
+
+    peer_id: PeerID
+    step: int
+    samples: int
+    samples_per_s: float
+    time: float
+    blocked: bool = False
+    address: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack-able value stored in the DHT (the PeerID is the sub-key's owner)."""
+        return {
+            "s": self.step,
+            "n": self.samples,
+            "r": self.samples_per_s,
+            "t": self.time,
+            "b": self.blocked,
+            "a": self.address,
+        }
+
+    @classmethod
+    def from_wire(cls, peer_id: PeerID, value: object) -> PeerProgress:
+        """Parse a value read from the DHT.
+
+        Raises:
+            RemoteProtocolError: The value is not a valid progress record.
+        """
+        if not isinstance(value, Mapping):
+            raise RemoteProtocolError("a progress record is a map")
+        blocked, address = value.get("b", False), value.get("a")
+        if not isinstance(blocked, bool):
+            raise RemoteProtocolError("progress blocked flag must be a bool")
+        if address is not None:
+            if not isinstance(address, str) or len(address) > 512:
+                raise RemoteProtocolError("progress address must be a short string")
+            try:
+                parsed = PeerAddress.parse(address)
+            except ConfigError as exc:
+                raise RemoteProtocolError(f"bad progress address: {exc}") from exc
+            if parsed.peer_id not in (None, peer_id):
+                raise RemoteProtocolError("the progress address names another peer")
+        return cls(
+            peer_id=peer_id,
+            step=_wire_int(value.get("s"), "step"),
+            samples=_wire_int(value.get("n"), "samples"),
+            samples_per_s=_wire_float(value.get("r"), "samples_per_s"),
+            time=_wire_float(value.get("t"), "time"),
+            blocked=blocked,
+            address=address,
+        )
+
+
+def _wire_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_STEP:
+        raise RemoteProtocolError(f"progress {name} must be an int in [0, 2**62]")
+    return value
+
+
+def _wire_float(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RemoteProtocolError(f"progress {name} must be a number")
+    if not math.isfinite(value) or value < 0:
+        raise RemoteProtocolError(f"progress {name} must be finite and >= 0")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SwarmProgress:
+    """The swarm's progress as one peer sees it.
+
+    Attributes:
+        global_step: The highest step of any live peer (0 when none is known).
+        samples_at_step: Samples the peers at ``global_step`` accumulated.
+        peers_at_step: Live peers at ``global_step``.
+        peers_online: Live peers, whatever their step.
+        samples_per_s: The sum of the live peers' throughputs.
+        all_blocked: Every live peer is at ``global_step`` and blocked.
+        target_batch_size: The samples a step needs, or ``None`` when a step
+            waits for every live peer to block.
+        eta_s: Estimated seconds until the step is ready (0 when it is,
+            ``inf`` when nothing progresses).
+        time: When the view was computed.
+        records: The live records it was computed from, highest step first.
+    """
+
+    global_step: int
+    samples_at_step: int
+    peers_at_step: int
+    peers_online: int
+    samples_per_s: float
+    all_blocked: bool
+    target_batch_size: int | None
+    eta_s: float
+    time: float
+    records: tuple[PeerProgress, ...]
+
+    @property
+    def ready(self) -> bool:
+        """Whether the swarm should step now."""
+        target = self.target_batch_size
+        reached = target is not None and self.samples_at_step >= target
+        return self.peers_online > 0 and (reached or self.all_blocked)
+
+    def expected_in_group(self, step: int, *, exclude: PeerID | None = None) -> int:
+        """Live peers expected to join the group of ``step``.
+
+        Those at ``step`` and those one step behind, whose records may just
+        not show their last step yet. Peers already past ``step`` finished it.
+        """
+        return sum(1 for r in self.records if step - 1 <= r.step <= step and r.peer_id != exclude)
+
+    def lagging(self, step: int) -> int:
+        """Live peers more than one step behind ``step`` (they will sync, or their
+        record is stale, e.g. a peer that just downloaded the state)."""
+        return sum(1 for r in self.records if r.step < step - 1)
+
+    def sources(self, exclude: PeerID | None = None) -> list[PeerProgress]:
+        """Peers that serve their state, highest step first (then most recent)."""
+        return [r for r in self.records if r.address is not None and r.peer_id != exclude]
+
+
+def aggregate(
+    records: Iterable[PeerProgress], *, target_batch_size: int | None, now: float
+) -> SwarmProgress:
+    """Combine the live records into the swarm's progress (see the module docstring).
+
+    Args:
+        records: One record per peer (a later duplicate of a PeerID replaces
+            the earlier one).
+        target_batch_size: Samples a step needs; ``None`` when a step waits
+            for every live peer to block.
+        now: The current time (Unix seconds), for the extrapolation.
+    """
+    by_peer = {r.peer_id: r for r in records}
+    ordered = tuple(sorted(by_peer.values(), key=lambda r: (-r.step, -r.time, r.peer_id)))
+    if not ordered:
+        return SwarmProgress(0, 0, 0, 0, 0.0, False, target_batch_size, math.inf, now, ())
+    global_step = ordered[0].step
+    current = [r for r in ordered if r.step == global_step]
+    samples = min(_MAX_SAMPLES, sum(r.samples for r in current))
+    all_blocked = len(current) == len(ordered) and all(r.blocked for r in current)
+    progress = SwarmProgress(
+        global_step=global_step,
+        samples_at_step=samples,
+        peers_at_step=len(current),
+        peers_online=len(ordered),
+        samples_per_s=sum(r.samples_per_s for r in ordered),
+        all_blocked=all_blocked,
+        target_batch_size=target_batch_size,
+        eta_s=math.inf,
+        time=now,
+        records=ordered,
+    )
+    return _with_eta(progress, current, now)
+
+
+def _with_eta(progress: SwarmProgress, current: list[PeerProgress], now: float) -> SwarmProgress:
+    target = progress.target_batch_size
+    if progress.ready:
+        eta = 0.0
+    elif target is None:
+        eta = math.inf
+    else:
+        running = [r for r in current if not r.blocked]
+        expected = progress.samples_at_step + sum(
+            r.samples_per_s * max(0.0, now - r.time) for r in running
+        )
+        rate = sum(r.samples_per_s for r in running)
+        if expected >= target:
+            eta = 0.0
+        elif rate > 0:
+            eta = (target - expected) / rate
+        else:
+            eta = math.inf
+    return SwarmProgress(
+        progress.global_step,
+        progress.samples_at_step,
+        progress.peers_at_step,
+        progress.peers_online,
+        progress.samples_per_s,
+        progress.all_blocked,
+        target,
+        eta,
+        progress.time,
+        progress.records,
+    )
+
+
+def next_fetch_delay(progress: SwarmProgress, config: ProgressConfig, *, waiting: bool) -> float:
+    """Seconds until the swarm's records should be read again.
+
+    Often when a step is near (about four reads before the estimated time)
+    or this peer waits; rarely when the step is far away.
+    """
+    if waiting or progress.ready:
+        return config.min_fetch_interval
+    delay = progress.eta_s / 4 if math.isfinite(progress.eta_s) else config.max_fetch_interval
+    return min(config.max_fetch_interval, max(config.min_fetch_interval, delay))
+
+
+class RateMeter:
+    """Samples per second of local compute, as an exponential moving average.
+
+    Args:
+        smoothing: Weight of a new measurement, in (0, 1].
+    """
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        if not 0 < smoothing <= 1:
+            raise ConfigError(f"smoothing must be in (0, 1], got {smoothing!r}")
+        self.smoothing = smoothing
+        self.value = 0.0
+        self._measured = False
+
+    def update(self, samples: int, seconds: float) -> float:
+        """Record ``samples`` computed in ``seconds``; returns the new average."""
+        if samples < 0 or not seconds >= 0:
+            raise ConfigError("samples and seconds must be >= 0")
+        if seconds == 0 or samples == 0:
+            return self.value
+        rate = samples / seconds
+        if not self._measured:
+            self.value, self._measured = rate, True
+        else:
+            self.value += self.smoothing * (rate - self.value)
+        return self.value

@@ -1,0 +1,289 @@
+"""The I/O shell around :mod:`p2ptrain.train.progress`: publish our record, read the swarm's.
+
+One background task on the peer's loop does both. It publishes this peer's
+latest :class:`~p2ptrain.train.progress.PeerProgress` when :func:`publish_due`
+says so (a new step or blocked flag at once; a new sample count at most every
+``publish_interval``; a heartbeat every ``heartbeat_interval``), and reads the
+``<run_id>/progress`` dictionary as often as
+:func:`~p2ptrain.train.progress.next_fetch_delay` says. The training thread
+calls :meth:`ProgressTracker.report` and :meth:`ProgressTracker.view`, which
+are thread-safe and never block; coroutines (:meth:`ProgressTracker.wait_for_fetch`)
+run on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from p2ptrain.dht.api import DHT
+from p2ptrain.dht.records import key_owner, owner_bound_key
+from p2ptrain.errors import IdentityError, P2PTrainError, RemoteProtocolError
+from p2ptrain.identity import PeerID
+from p2ptrain.train.progress import (
+    PeerProgress,
+    ProgressConfig,
+    SwarmProgress,
+    aggregate,
+    next_fetch_delay,
+)
+
+__all__ = ["PROGRESS_SUBKEY", "ProgressTracker", "progress_key", "publish_due"]
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_SUBKEY = b"progress"
+"""Name of the owner-bound sub-key each peer writes its record under."""
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT key of a run's progress dictionary."""
+    return f"{run_id}/progress"
+
+
+def publish_due(
+    local: PeerProgress,
+    published: PeerProgress | None,
+    *,
+    since_publish: float,
+    ready: bool,
+    config: ProgressConfig,
+) -> bool:
+    """Whether ``local`` should be published now (pure).
+
+    At once: the first record, a new step, a change of the blocked flag, the
+    first samples toward a step (they make the peer one the group waits
+    for), and samples that make the swarm ready. Other sample counts at most
+    every ``publish_interval``; the record anyway every ``heartbeat_interval``.
+
+    Args:
+        local: The peer's latest record.
+        published: The record last published, or ``None``.
+        since_publish: Seconds since the last publication (attempt).
+        ready: The swarm, this record included, is ready to step.
+        config: The intervals.
+    """
+    if published is None or since_publish >= config.heartbeat_interval:
+        return True
+    if local.step != published.step or local.blocked != published.blocked:
+        return True
+    if local.samples == published.samples:
+        return False
+    first = published.samples == 0  # the first samples toward a step make it a contributor
+    return first or ready or since_publish >= config.publish_interval
+
+
+class ProgressTracker:
+    """Publishes this peer's progress and keeps the swarm's, on the peer's loop.
+
+    Args:
+        dht: The DHT to publish in and read from.
+        run_id: Names the training run.
+        config: Publication and read intervals.
+        target_batch_size: Samples a step needs (``None``: wait for all to block).
+        address: Where this peer serves its state, or ``None`` (client mode).
+        clock: Unix time; records carry it.
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: DHT,
+        run_id: str,
+        config: ProgressConfig,
+        target_batch_size: int | None,
+        address: str | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.dht = dht
+        self.key = progress_key(run_id)
+        self.config = config
+        self.target_batch_size = target_batch_size
+        self._clock = clock
+        self._subkey = dht.owned_key(PROGRESS_SUBKEY)
+        self._address = address
+        self._local = PeerProgress(dht.peer_id, 0, 0, 0.0, clock(), False, address)
+        self._remote: tuple[PeerProgress, ...] = ()
+        self._published: PeerProgress | None = None
+        self._published_at = -float("inf")
+        self._next_fetch = 0.0
+        self._fetch_started = -float("inf")
+        self._waiting = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._fetched: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle (on the loop) -------------------------------------------------------
+
+    async def start(self, *, step: int = 0) -> None:
+        """Publish the first record, read the swarm once, then keep both up to date."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._fetched = asyncio.Event()
+        self._local = PeerProgress(
+            self.dht.peer_id, step, 0, 0.0, self._clock(), False, self._address
+        )
+        await self._publish()
+        await self._fetch()
+        self._task = self._loop.create_task(self._run(), name=f"progress:{self.key}")
+
+    async def aclose(self) -> None:
+        """Stop the background task."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # -- from the training thread -------------------------------------------------------
+
+    def report(self, *, step: int, samples: int, samples_per_s: float, blocked: bool) -> None:
+        """Record this peer's latest progress (thread-safe; published in the background)."""
+        self._local = PeerProgress(
+            self.dht.peer_id, step, samples, samples_per_s, self._clock(), blocked, self._address
+        )
+        self._poke()
+
+    def set_waiting(self, waiting: bool) -> None:
+        """Tell the tracker this peer waits for the swarm (it then reads more often)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._set_waiting, waiting)
+
+    def _set_waiting(self, waiting: bool) -> None:
+        if waiting and not self._waiting:
+            self._next_fetch = 0.0
+        self._waiting = waiting
+        if self._wake is not None:
+            self._wake.set()
+
+    def view(self) -> SwarmProgress:
+        """The swarm's progress: the last records read, with this peer's latest one."""
+        return aggregate(
+            (*self._remote, self._local),
+            target_batch_size=self.target_batch_size,
+            now=self._clock(),
+        )
+
+    @property
+    def fetched_since(self) -> float:
+        """When (``time.monotonic()``) the last completed read of the records started."""
+        return self._fetch_started
+
+    @property
+    def local(self) -> PeerProgress:
+        """This peer's latest record."""
+        return self._local
+
+    def _poke(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wake.set)
+
+    # -- on the loop --------------------------------------------------------------------
+
+    async def wait_for_fetch(self, timeout: float) -> bool:
+        """Wait until the next read of the swarm's records completes.
+
+        Returns:
+            Whether a read completed within ``timeout`` seconds.
+        """
+        if self._fetched is None:
+            raise RuntimeError("the tracker is not started")
+        try:
+            async with asyncio.timeout(timeout):
+                await self._fetched.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def refresh(self) -> SwarmProgress:
+        """Read the swarm's records now and return the new view."""
+        await self._fetch()
+        return self.view()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        if wake is None:  # pragma: no cover - start() sets it
+            return
+        while True:
+            wake.clear()
+            try:
+                await self._tick(loop)
+            except Exception:  # the root of the task: log, then carry on later
+                logger.exception("progress tracking of %s failed", self.key)
+                self._next_fetch = loop.time() + self.config.max_fetch_interval
+            deadline = min(self._next_fetch, self._next_publish_check())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await wake.wait()
+
+    async def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        if publish_due(
+            self._local,
+            self._published,
+            since_publish=now - self._published_at,
+            ready=self.view().ready,
+            config=self.config,
+        ):
+            await self._publish()
+        if loop.time() >= self._next_fetch:
+            await self._fetch()
+
+    def _next_publish_check(self) -> float:
+        config = self.config
+        due = self._published_at + config.heartbeat_interval
+        published = self._published
+        if published is not None and published.samples != self._local.samples:
+            due = min(due, self._published_at + config.publish_interval)
+        return due
+
+    async def _publish(self) -> None:
+        record = self._local
+        loop = asyncio.get_running_loop()
+        self._published_at = loop.time()
+        try:
+            await self.dht.store(
+                self.key,
+                record.to_wire(),
+                self.dht.now() + self.config.expiration,
+                subkey=self._subkey,
+            )
+        except P2PTrainError as exc:
+            logger.warning("could not publish progress for %s: %s", self.key, exc)
+            return
+        self._published = record
+
+    async def _fetch(self) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        try:
+            entries = await self.dht.get_dictionary(self.key)
+        except P2PTrainError as exc:
+            logger.warning("could not read progress of %s: %s", self.key, exc)
+            entries = None
+        if entries is not None:
+            records = []
+            for subkey, item in entries.items():
+                owner = key_owner(subkey)
+                if owner is None or subkey != owner_bound_key(PROGRESS_SUBKEY, owner):
+                    continue
+                try:
+                    records.append(
+                        PeerProgress.from_wire(PeerID.from_public_key(owner), item.value)
+                    )
+                except (RemoteProtocolError, IdentityError) as exc:
+                    logger.debug("ignoring a progress record: %s", exc)
+            self._remote = tuple(records)
+            self._fetch_started = started
+        delay = next_fetch_delay(self.view(), self.config, waiting=self._waiting)
+        self._next_fetch = loop.time() + delay
+        fetched, self._fetched = self._fetched, asyncio.Event()
+        if fetched is not None:
+            fetched.set()

@@ -1,0 +1,144 @@
+"""The Peer facade, the trainers' configs, and averaging fallbacks."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import p2ptrain.train
+from p2ptrain.allreduce.config import AllReduceConfig
+from p2ptrain.allreduce.matchmaking import MatchmakingConfig
+from p2ptrain.dht.node_config import DHTNodeConfig
+from p2ptrain.errors import ConfigError, LookupFailedError
+from p2ptrain.peer import Peer, PeerConfig
+from p2ptrain.train.averaging import SwarmAverager
+from p2ptrain.train.config import DiLoCoConfig, TrainerConfig
+
+
+def test_a_peer_runs_coroutines_on_its_loop_and_closes_cleanly(tmp_path: Path) -> None:
+    key = tmp_path / "id.key"
+    with Peer(PeerConfig(identity_path=key)) as peer:
+        assert peer.running
+        assert peer.address.startswith(f"{peer.peer_id}@127.0.0.1:")
+
+        async def where() -> str:
+            await asyncio.sleep(0)
+            return str(peer.dht.peer_id)
+
+        assert peer.run(where(), timeout=5) == str(peer.peer_id)
+        assert peer.submit(where()).result(timeout=5) == str(peer.peer_id)
+        assert peer.capacity().upload_bytes_per_s == peer.config.default_bytes_per_s
+        peer.set_samples_per_s(12.5)
+        assert peer.capacity().samples_per_s == 12.5
+        with pytest.raises(TimeoutError):
+            peer.run(asyncio.sleep(10), timeout=0.01)
+        first_id = peer.peer_id
+    assert not peer.running
+    peer.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        peer.run(asyncio.sleep(0))
+    with Peer(PeerConfig(identity_path=key)) as again:
+        assert again.peer_id == first_id  # the key file keeps the identity
+    with pytest.raises(RuntimeError):
+        again.start()
+
+
+def test_a_peer_that_cannot_bootstrap_fails_to_start() -> None:
+    config = PeerConfig(dht=DHTNodeConfig(initial_peers=("127.0.0.1:1",), request_timeout=1.0))
+    peer = Peer(config)
+    with pytest.raises(LookupFailedError, match="initial peers"):
+        peer.start()
+    assert not peer.running
+    peer.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"default_bytes_per_s": 0},
+        {"join_timeout": math.nan},
+        {"node": "x"},
+        {"identity_path": 3},
+        {"use_uvloop": "yes"},
+    ],
+)
+def test_bad_peer_configs_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        PeerConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"run_id": "", "target_batch_size": 1},
+        {"run_id": "a/b", "target_batch_size": 1},
+        {"run_id": "r", "target_batch_size": 0},
+        {"run_id": "r", "target_batch_size": True},
+        {"run_id": "r", "target_batch_size": 8, "max_local_samples_per_step": 0},
+        {"run_id": "r", "target_batch_size": 8, "matchmaking_lead": -1.0},
+        {"run_id": "r", "target_batch_size": 8, "sync_tolerance": -1},
+        {"run_id": "r", "target_batch_size": 8, "allreduce": None},
+    ],
+)
+def test_bad_trainer_configs_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        TrainerConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"inner_steps": 0},
+        {"outer_lr": 0.0},
+        {"outer_momentum": -0.1},
+        {"outer_momentum": 0.0},  # Nesterov needs momentum
+        {"nesterov": 1},
+        {"target_batch_size": 0},
+        {"progress": None},
+    ],
+)
+def test_bad_diloco_configs_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        DiLoCoConfig(run_id="r", **kwargs)
+
+
+def test_the_public_api_is_pinned() -> None:
+    assert sorted(p2ptrain.train.__all__) == [
+        "CheckpointError",
+        "CollaborativeOptimizer",
+        "DiLoCoConfig",
+        "DiLoCoOptimizer",
+        "PeerProgress",
+        "ProgressConfig",
+        "StateSyncConfig",
+        "StateSyncError",
+        "SwarmProgress",
+        "TrainerConfig",
+        "TrainerStats",
+        "TrainingError",
+        "TrainingSnapshot",
+        "aggregate",
+        "load_checkpoint",
+        "save_checkpoint",
+    ]
+
+
+def test_without_a_group_the_averager_keeps_the_local_vector() -> None:
+    quick = MatchmakingConfig(window=0.3, poll_interval=0.05, ready_timeout=0.5, plan_timeout=0.5)
+    with Peer(PeerConfig(matchmaking=quick)) as peer:
+        averager = SwarmAverager(peer=peer, run_id="lonely", allreduce=AllReduceConfig())
+        vector = torch.arange(5, dtype=torch.float32)
+        same, alone = peer.run(averager.average(0, vector, 3.0, group_size=1))
+        assert same is vector and alone.fallback == "alone" and not alone.averaged
+        # It believes another peer is online, but nobody comes: too few.
+        peer.run(averager.prepare(1, num_elements=5, group_size=2))
+        same, outcome = peer.run(averager.average(1, vector, 3.0, group_size=2), timeout=30)
+        assert same is vector
+        assert outcome.fallback is not None and outcome.fallback.startswith("matchmaking")
+        assert outcome.matchmaking_s > 0 and outcome.report is None
+        peer.run(averager.aclose())

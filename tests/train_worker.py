@@ -1,0 +1,146 @@
+"""Shared pieces of the training tests, and one training peer in its own process.
+
+The tests use a tiny model (a 2-layer MLP on synthetic regression data) so
+that they stay fast; :func:`rows` gives peer ``shard`` of ``num_shards`` the
+rows ``[t·n·b + shard·b, t·n·b + (shard + 1)·b)`` at step ``t``, so that the
+shards of a step, concatenated, are the single-process batch of ``n·b``.
+
+As a script, it runs one peer of a swarm (for the crash test). Usage::
+
+    python tests/train_worker.py '<json job>'
+
+The job: ``{"initial_peers": [...], "run_id": str, "target": int, "batch":
+int, "steps": int, "shard": int, "num_shards": int, "compute_s": float}``.
+The worker prints one JSON object a line: ``{"address": ...}`` once started,
+then ``{"step": n, "t": unix time, "local_rounds": k}`` after every global
+step, and ``{"done": true}`` when it reached ``steps``. It exits when done or
+when its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from p2ptrain.allreduce.matchmaking import MatchmakingConfig
+from p2ptrain.dht.node_config import DHTNodeConfig
+from p2ptrain.peer import Peer, PeerConfig
+from p2ptrain.train.config import TrainerConfig
+from p2ptrain.train.optimizer import CollaborativeOptimizer
+from p2ptrain.train.progress import ProgressConfig
+
+DIM = 8
+
+FAST_MATCHMAKING = MatchmakingConfig(
+    window=2.0,
+    poll_interval=0.05,
+    ready_timeout=1.0,
+    plan_timeout=3.0,
+    reduce_timeout=2.0,
+    round_timeout=3.0,
+)
+"""Matchmaking and all-reduce timings for loopback tests."""
+
+FAST_PROGRESS = ProgressConfig(
+    publish_interval=0.1,
+    heartbeat_interval=0.5,
+    expiration=2.0,
+    min_fetch_interval=0.05,
+    max_fetch_interval=0.5,
+)
+"""Progress timings for loopback tests."""
+
+
+def peer_config(
+    initial_peers: tuple[str, ...] = (), matchmaking: MatchmakingConfig = FAST_MATCHMAKING
+) -> PeerConfig:
+    """A loopback peer with the fast timings."""
+    return PeerConfig(
+        dht=DHTNodeConfig(initial_peers=initial_peers, request_timeout=2.0),
+        matchmaking=matchmaking,
+    )
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    """The tiny MLP, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def dataset(num_rows: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic regression rows ``(x, y)``: a smooth function plus a little noise."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, DIM, generator=generator)
+    w = torch.randn(DIM, 1, generator=generator)
+    y = torch.sin(x @ w / DIM**0.5) + 0.05 * torch.randn(num_rows, 1, generator=generator)
+    return x, y
+
+
+def rows(step: int, batch: int, *, shard: int = 0, num_shards: int = 1) -> slice:
+    """The rows of ``shard`` at ``step`` (see the module docstring)."""
+    start = step * num_shards * batch + shard * batch
+    return slice(start, start + batch)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared error over the batch."""
+    return nn.functional.mse_loss(model(x), y)
+
+
+def backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Backpropagate the loss of a batch."""
+    loss_of(model, x, y).backward()  # type: ignore[no-untyped-call]
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _watch_stdin() -> None:
+    sys.stdin.read()
+    os._exit(0)
+
+
+def main(job: dict[str, Any]) -> None:
+    """Train one peer of the swarm described by ``job`` (see the module docstring)."""
+    torch.set_num_threads(1)
+    threading.Thread(target=_watch_stdin, daemon=True).start()
+    x, y = dataset(200_000)
+    model = make_model(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = TrainerConfig(
+        run_id=job["run_id"],
+        target_batch_size=job["target"],
+        progress=FAST_PROGRESS,
+    )
+    batch, shard, num_shards = job["batch"], job["shard"], job["num_shards"]
+    with Peer(peer_config(tuple(job["initial_peers"]))) as peer:
+        _emit({"address": peer.address})
+        with CollaborativeOptimizer(inner, peer=peer, config=config) as opt:
+            local = 0
+            while opt.global_step < job["steps"]:
+                part = rows(local % 1000, batch, shard=shard, num_shards=num_shards)
+                backward(model, x[part], y[part])
+                time.sleep(job["compute_s"])  # stands for a real model's compute time
+                local += 1
+                if opt.step(batch):
+                    _emit(
+                        {
+                            "step": opt.global_step,
+                            "t": time.time(),
+                            "local_rounds": opt.stats.local_rounds,
+                        }
+                    )
+            _emit({"done": True})
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
