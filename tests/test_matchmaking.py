@@ -126,3 +126,52 @@ def test_plans_round_trip_and_malformed_plans_are_refused() -> None:
     ):
         with pytest.raises(InvalidArgumentError):
             plan_from_wire(bad)
+
+
+async def test_a_custom_balancer_and_codec_plug_in(swarm: list[Peer]) -> None:
+    """The research-guide extension points, end to end: a load balancer of our
+    own decides the parts, and a codec of our own carries them."""
+    from dataclasses import dataclass
+
+    from p2ptrain.allreduce.compression import CODEC_NAMES, Codec, NoneCodec, register_codec
+    from p2ptrain.allreduce.config import AllReduceConfig
+
+    @dataclass
+    class Plan:
+        shares: list[float]
+        round_time_s: float = 1.0
+
+    class FirstPeerAggregates:
+        def plan(self, peers, *, vector_bytes, target_batch_size):  # type: ignore[no-untyped-def]
+            return Plan([1.0] + [0.0] * (len(peers) - 1))
+
+    class Counting(NoneCodec):
+        name = "counting-test"
+        encoded = 0
+
+        def encode(self, tensor):  # type: ignore[no-untyped-def]
+            Counting.encoded += 1
+            return super().encode(tensor)
+
+    if Counting.name not in CODEC_NAMES:
+        register_codec(Counting)
+    assert issubclass(Counting, Codec)
+    for peer in swarm[:3]:
+        peer.matchmaker._balancer = FirstPeerAggregates()
+    plans = await asyncio.gather(
+        *(p.matchmaker.form_group("run/custom", num_elements=300) for p in swarm[:3])
+    )
+    plan = plans[0]
+    assert [plan.part(i)[1] - plan.part(i)[0] for i in range(3)] == [300, 0, 0]
+    config = AllReduceConfig(codec="counting-test")
+    results = await asyncio.gather(
+        *(
+            AllReduceService.attach(p.node).allreduce(
+                plan, torch.full((300,), float(i)), 1.0, config=config
+            )
+            for i, p in enumerate(swarm[:3])
+        )
+    )
+    for averaged, _ in results:
+        assert torch.allclose(averaged, torch.full((300,), 1.0))
+    assert Counting.encoded > 0

@@ -55,6 +55,7 @@ __all__ = [
     "Int8BlockCodec",
     "NoneCodec",
     "get_codec",
+    "register_codec",
 ]
 
 KEY_CODEC: Final = "c"
@@ -332,8 +333,28 @@ class Int8BlockCodec(Codec):
 _CODECS: Final[dict[str, type[Codec]]] = {
     cls.name: cls for cls in (NoneCodec, Float16Codec, BFloat16Codec)
 }
-CODEC_NAMES: Final = (*_CODECS, Int8BlockCodec.name)
-"""Every codec name :func:`get_codec` knows."""
+CODEC_NAMES: Final[list[str]] = [*_CODECS, Int8BlockCodec.name]
+"""Every codec name :func:`get_codec` knows (grows with :func:`register_codec`)."""
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Make a codec class available by its ``name`` (usable as a decorator).
+
+    The class is built without arguments. Every member of a group must have
+    registered the same codec under the same name, since the receiver picks
+    the decoder by the name in each part's header.
+
+    Raises:
+        ConfigError: the name is empty or already taken.
+    """
+    name = getattr(cls, "name", "")
+    if not isinstance(name, str) or not name:
+        raise ConfigError("a codec class needs a non-empty string `name`")
+    if name in CODEC_NAMES:
+        raise ConfigError(f"a codec named {name!r} is already registered")
+    _CODECS[name] = cls
+    CODEC_NAMES.append(name)
+    return cls
 
 
 def get_codec(name: str, *, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:

@@ -29,9 +29,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from p2ptrain.allreduce.group import GroupMember, GroupPlan
 from p2ptrain.allreduce.lp import LoadBalancer
@@ -50,7 +50,14 @@ from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.rpc.handlers import CallContext, Message
 
-__all__ = ["Matchmaker", "MatchmakingConfig", "plan_from_wire", "plan_to_wire"]
+__all__ = [
+    "BalancedPlan",
+    "Balancer",
+    "Matchmaker",
+    "MatchmakingConfig",
+    "plan_from_wire",
+    "plan_to_wire",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +101,27 @@ class MatchmakingConfig:
                 raise ConfigError(f"{name} must be positive")
         if not 0 < self.reduce_timeout < self.round_timeout:
             raise ConfigError("need 0 < reduce_timeout < round_timeout")
+
+
+class BalancedPlan(Protocol):
+    """What a load balancer returns: a share per peer and the predicted time."""
+
+    @property
+    def shares(self) -> Sequence[float]: ...
+
+    @property
+    def round_time_s(self) -> float: ...
+
+
+class Balancer(Protocol):
+    """Anything that splits the vector among peers (LoadBalancer is one).
+
+    Shares are one per peer, >= 0, summing to 1, and 0 for client-mode peers.
+    """
+
+    def plan(
+        self, peers: Sequence[PeerCapacity], *, vector_bytes: int, target_batch_size: int
+    ) -> BalancedPlan: ...
 
 
 @dataclass(frozen=True)
@@ -153,7 +181,8 @@ class Matchmaker:
         config: timings and group sizes.
         capacity: called for this peer's current capacity when announcing.
         client_mode: this peer cannot accept connections (never leads, owns no part).
-        balancer: the load balancer (a shared one by default).
+        balancer: the load balancer: :class:`LoadBalancer` (the LP) by default, or
+            any :class:`Balancer`, e.g. equal shares for a baseline.
     """
 
     def __init__(
@@ -163,13 +192,13 @@ class Matchmaker:
         config: MatchmakingConfig | None = None,
         capacity: Callable[[], PeerCapacity],
         client_mode: bool = False,
-        balancer: LoadBalancer | None = None,
+        balancer: Balancer | None = None,
     ) -> None:
         self.dht = dht
         self.config = config or MatchmakingConfig()
         self._capacity = capacity
         self.client_mode = client_mode
-        self._balancer = balancer or LoadBalancer()
+        self._balancer: Balancer = balancer or LoadBalancer()
         self._waiting: dict[str, asyncio.Future[GroupPlan | None]] = {}
         handlers = dht.node.handlers
         handlers.add_unary(READY_METHOD, self._on_ready)
