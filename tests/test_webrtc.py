@@ -559,7 +559,9 @@ async def test_a_standing_queue_holds_growth_and_makes_loss_congestion() -> None
     sctp, _, first = await full_window(SctpTuning(flows=8, max_queue_delay=0.01))
     tuner = TUNERS[id(sctp)]
     tuner._min_rtt = 0.040
-    sctp._sent_queue[0]._sent_time -= 0.080  # its SACK measures 80 ms: 40 ms of queue
+    oldest = sctp._sent_queue[0]
+    assert oldest._sent_time is not None
+    oldest._sent_time -= 0.080  # its SACK measures 80 ms: 40 ms of queue
     sctp._partial_bytes_acked = sctp._cwnd - 1
     cwnd = sctp._cwnd
     await sctp._receive_chunk(sack(first))

@@ -330,11 +330,18 @@ class ButterflyRound:
             return
         self._serving[sender] = stream
         self._writers += 1
-        async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(self._read_parts(sender, stream, reducer))
-            # Awaited here, not in a task of its own, so that its ``finally``
-            # (which counts it out) runs even when the handler is cancelled.
-            await self._write_results(sender, hello, stream, reducer)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._read_parts(sender, stream, reducer))
+                # Awaited here, not in a task of its own, so that its ``finally``
+                # (which counts it out) runs even when the handler is cancelled.
+                await self._write_results(sender, hello, stream, reducer)
+        finally:
+            # A handler cancelled with its dead connection never reads the error
+            # from its stream: stop waiting for the parts it still owed (a no-op
+            # when every part arrived).
+            if not self._closed:
+                self._publish(reducer.exclude(sender, "its stream was cut off"))
 
     async def _read_parts(self, sender: int, stream: RPCStream, reducer: ShardReducer) -> None:
         while True:
