@@ -28,6 +28,8 @@ __all__ = ["main"]
 BENCHMARKS = ("transport", "dht", "allreduce", "lp", "training", "webrtc")
 _EXAMPLES = """examples:
   p2ptrain demo                                   # a local swarm on this machine
+  p2ptrain train --join PEERID@203.0.113.7:4001 --seconds 600
+  p2ptrain status --join PEERID@203.0.113.7:4001
   p2ptrain bootstrap --host 0.0.0.0 --port 4001 --announce-host 203.0.113.7
   p2ptrain bench transport --megabytes 64
 """
@@ -49,6 +51,17 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, default_port: int) -> No
     )
 
 
+def _add_join_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--join",
+        action="append",
+        required=True,
+        metavar="ADDR",
+        help="a peer of the swarm (peerid@host:port) to join through (repeatable)",
+    )
+    parser.add_argument("--run-id", default="charlm", help="the run (default charlm)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="p2ptrain",
@@ -64,14 +77,29 @@ def _build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run a local swarm on loopback and show what happens",
         description=(
-            "Start a swarm of peers on this machine; they connect, authenticate "
-            "with their Ed25519 keys and pass a tensor around a ring."
+            "Start a bootstrap peer and --peers training peers on this machine, as "
+            "separate processes; they train the charlm example together for --seconds "
+            "(one joins late, each announces a different bandwidth). Prints a summary "
+            "and writes a PNG of the loss against time."
         ),
-        epilog="example: p2ptrain demo --peers 6 --megabytes 32",
+        epilog=(
+            "example: p2ptrain demo --peers 4 --seconds 90 --png loss.png\n"
+            "(--megabytes N runs the older in-process tensor ring check instead)"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--peers", type=int, default=4, help="number of peers (default 4)")
     demo.add_argument(
-        "--megabytes", type=float, default=16.0, help="size of each tensor sent (default 16)"
+        "--seconds", type=float, default=90.0, help="seconds of training (default 90)"
+    )
+    demo.add_argument(
+        "--png", default="p2ptrain-demo-loss.png", help="where to write the loss plot"
+    )
+    demo.add_argument("--log-dir", help="keep every peer's JSON log lines in this directory")
+    demo.add_argument(
+        "--megabytes",
+        type=float,
+        help="run the tensor ring check with tensors of this size instead of training",
     )
 
     bootstrap = commands.add_parser(
@@ -93,6 +121,53 @@ def _build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ADDR",
         help="another bootstrap peer to connect to (repeatable)",
+    )
+
+    train = commands.add_parser(
+        "train",
+        help="train the charlm example with a swarm (one peer)",
+        description=(
+            "Join a swarm through --join and train the character model of "
+            "examples/charlm with a collaborative optimizer, showing samples/s, the "
+            "global step, the loss and the peers online on one line."
+        ),
+        epilog=(
+            "example: p2ptrain train --join PEERID@203.0.113.7:4001 --seconds 600 "
+            "--upload-mbit 20 --download-mbit 100 --log-json train.jsonl"
+        ),
+    )
+    _add_node_flags(train, default_port=0)
+    _add_join_flags(train)
+    train.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=256,
+        help="samples the swarm accumulates per step (default 256)",
+    )
+    train.add_argument("--batch-size", type=int, default=16, help="local batch (default 16)")
+    train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
+    train.add_argument("--upload-mbit", type=float, help="announce this upload rate (Mbit/s)")
+    train.add_argument("--download-mbit", type=float, help="announce this download rate (Mbit/s)")
+    train.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this local port"
+    )
+    train.add_argument(
+        "--log-json", metavar="PATH", help="append JSON event lines to PATH ('-': stdout)"
+    )
+
+    status = commands.add_parser(
+        "status",
+        help="show the peers of a training run",
+        description="Read a run's progress records from the DHT and print one row per peer.",
+        epilog="example: p2ptrain status --join PEERID@203.0.113.7:4001 --run-id charlm",
+    )
+    _add_join_flags(status)
+    status.add_argument("--swarm", default="p2ptrain", help="swarm name (peers must agree)")
+    status.add_argument(
+        "--secret-file", help="file holding the swarm's admission secret (>= 16 bytes)"
+    )
+    status.add_argument(
+        "--timeout", type=float, default=20.0, help="seconds to wait for the swarm (default 20)"
     )
 
     bench = commands.add_parser(
@@ -140,6 +215,21 @@ def _identity(args: argparse.Namespace) -> Identity | None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    if args.megabytes is not None:
+        return _run_ring_demo(args)
+    from p2ptrain.swarm_demo import SwarmDemoConfig, run_swarm_demo  # noqa: PLC0415
+
+    config = SwarmDemoConfig(
+        peers=args.peers,
+        seconds=args.seconds,
+        png=args.png,
+        log_dir=args.log_dir,
+    )
+    result = run_swarm_demo(config, out=sys.stdout)
+    return 0 if result.ok else 1
+
+
+def _run_ring_demo(args: argparse.Namespace) -> int:
     from p2ptrain.demo import DemoConfig, format_report, run_demo  # noqa: PLC0415 - torch is slow
 
     config = DemoConfig(peers=args.peers, tensor_elements=max(1, int(args.megabytes * 1e6 / 4)))
@@ -147,6 +237,70 @@ def _run_demo(args: argparse.Namespace) -> int:
     reports = run(run_demo(config))
     print(format_report(reports))
     return 0 if all(r.verified for r in reports) else 1
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    import contextlib  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())  # a clean end, with a summary
+    from p2ptrain.session import (  # noqa: PLC0415 - torch is slow
+        TrainingSessionConfig,
+        json_lines_logger,
+        run_training_peer,
+    )
+
+    config = TrainingSessionConfig(
+        initial_peers=tuple(args.join),
+        run_id=args.run_id,
+        target_batch_size=args.target_batch_size,
+        batch_size=args.batch_size,
+        seconds=args.seconds,
+        upload_mbit=args.upload_mbit,
+        download_mbit=args.download_mbit,
+        metrics_port=args.metrics_port,
+        node=_node_config(args),
+        identity_path=args.identity,
+    )
+    with contextlib.ExitStack() as stack:
+        log = None
+        if args.log_json == "-":
+            log = json_lines_logger(sys.stdout)
+        elif args.log_json:
+            try:
+                handle = stack.enter_context(Path(args.log_json).open("a", encoding="utf-8"))
+            except OSError as exc:
+                raise ConfigError(f"cannot open {args.log_json}: {exc.strerror}") from exc
+            log = json_lines_logger(handle)
+        summary = run_training_peer(
+            config,
+            display=sys.stderr,
+            log=log,
+            announce=lambda address: print(f"joined as {address}", file=sys.stderr, flush=True),
+            stop=stop,
+        )
+    print(
+        f"trained {summary.seconds:.0f} s: global step {summary.global_step}, "
+        f"{summary.local_steps} local batches, {summary.samples_per_s:.1f} samples/s, "
+        f"loss {summary.loss:.4f}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from p2ptrain.session import StatusConfig, status_table  # noqa: PLC0415
+
+    node = NodeConfig(
+        port=0, swarm=args.swarm, admission=AdmissionPolicy(secret=_read_secret(args.secret_file))
+    )
+    config = StatusConfig(
+        initial_peers=tuple(args.join), run_id=args.run_id, timeout=args.timeout, node=node
+    )
+    print(status_table(config))
+    return 0
 
 
 def _run_bootstrap(args: argparse.Namespace) -> int:
@@ -185,7 +339,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"demo": _run_demo, "bootstrap": _run_bootstrap, "bench": _run_bench}
+_COMMANDS = {
+    "demo": _run_demo,
+    "bootstrap": _run_bootstrap,
+    "train": _run_train,
+    "status": _run_status,
+    "bench": _run_bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

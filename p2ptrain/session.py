@@ -1,0 +1,526 @@
+"""One training peer from the command line, and a status table of a run.
+
+:func:`run_training_peer` is what ``p2ptrain train`` runs: a
+:class:`~p2ptrain.peer.Peer` joins the swarm, a
+:class:`~p2ptrain.train.CollaborativeOptimizer` trains the character model of
+``examples/charlm`` for a bounded time, and a one-line display shows the
+peer's samples/s, the swarm's global step, the loss and the peers online.
+Events also go out as JSON lines (``{"event": "start" | "progress" | "end", ...}``)
+for programs such as the swarm demo.
+
+:func:`status_table` is what ``p2ptrain status`` runs: it joins the DHT as a
+client, reads the run's progress records and formats one row per live peer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import IO, TYPE_CHECKING, Any, TextIO
+
+from p2ptrain.errors import ConfigError, DHTError
+from p2ptrain.identity import PeerID
+from p2ptrain.node.config import NodeConfig
+from p2ptrain.train.progress import PeerProgress, ProgressConfig, aggregate
+
+if TYPE_CHECKING:
+    from p2ptrain.dht.api import DHT
+
+__all__ = [
+    "StatusConfig",
+    "TrainingSessionConfig",
+    "TrainingSummary",
+    "format_status",
+    "json_lines_logger",
+    "load_charlm",
+    "read_progress",
+    "run_training_peer",
+    "status_table",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_NUM_SHARDS = 1024
+_MBIT = 1e6 / 8
+
+
+def _number(owner: str, name: str, value: object, *, low: float, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{owner}.{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > low):
+        raise ConfigError(f"{owner}.{name} must be finite and > {low}, got {value!r}")
+
+
+def _integer(owner: str, name: str, value: object, *, low: int, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{owner}.{name} must be an int >= {low}, got {value!r}")
+
+
+def _addresses(owner: str, value: object) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(a, str) and a for a in value):
+        raise ConfigError(f"{owner}.initial_peers must be a tuple of addresses")
+
+
+@dataclass(frozen=True)
+class TrainingSessionConfig:
+    """One peer training charlm with the swarm.
+
+    Attributes:
+        initial_peers: Addresses (``peerid@host:port``) to join through.
+        run_id: The run to train in; peers with the same run id train together.
+        target_batch_size: Samples the swarm accumulates before each step.
+        batch_size: Samples of each local batch.
+        seconds: Seconds to train (from the moment the peer joined), or
+            ``None`` to train until interrupted.
+        upload_mbit: Upload rate announced to the load balancer (Mbit/s),
+            or ``None`` to measure it.
+        download_mbit: Download rate announced (Mbit/s), or ``None`` to measure it.
+        metrics_port: Serve Prometheus metrics on this local port (0 picks
+            one), or ``None`` for no server.
+        log_interval: Seconds between two progress events and display updates.
+        node: Where the peer listens and how it admits others.
+        identity_path: Key file of the peer (created if missing), or ``None``.
+        progress: How often progress is published and read.
+    """
+
+    initial_peers: tuple[str, ...]
+    run_id: str = "charlm"
+    target_batch_size: int = 256
+    batch_size: int = 16
+    seconds: float | None = None
+    upload_mbit: float | None = None
+    download_mbit: float | None = None
+    metrics_port: int | None = None
+    log_interval: float = 1.0
+    node: NodeConfig = field(default_factory=lambda: NodeConfig(port=0))
+    identity_path: str | None = None
+    progress: ProgressConfig = field(
+        default_factory=lambda: ProgressConfig(
+            publish_interval=0.5, heartbeat_interval=2.0, expiration=8.0, max_fetch_interval=2.0
+        )
+    )
+
+    def __post_init__(self) -> None:
+        owner = "TrainingSessionConfig"
+        _addresses(owner, self.initial_peers)
+        if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
+            raise ConfigError(f"{owner}.run_id must be a non-empty name without '/'")
+        _integer(owner, "target_batch_size", self.target_batch_size, low=1, allow_none=False)
+        _integer(owner, "batch_size", self.batch_size, low=1, allow_none=False)
+        _number(owner, "seconds", self.seconds, low=0.0, allow_none=True)
+        _number(owner, "upload_mbit", self.upload_mbit, low=0.0, allow_none=True)
+        _number(owner, "download_mbit", self.download_mbit, low=0.0, allow_none=True)
+        _integer(owner, "metrics_port", self.metrics_port, low=0, allow_none=True)
+        if self.metrics_port is not None and self.metrics_port > 65535:
+            raise ConfigError(f"{owner}.metrics_port must be at most 65535")
+        _number(owner, "log_interval", self.log_interval, low=0.0, allow_none=False)
+        if not isinstance(self.node, NodeConfig):
+            raise ConfigError(f"{owner}.node must be a NodeConfig")
+        if not isinstance(self.progress, ProgressConfig):
+            raise ConfigError(f"{owner}.progress must be a ProgressConfig")
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    """What one training session did.
+
+    Attributes:
+        peer_id: The peer's PeerID (short form).
+        address: Where it listened.
+        global_step: The swarm step it reached.
+        local_steps: Local batches it computed.
+        samples_per_s: Its samples over its training time.
+        loss: The loss of its last batch (``nan`` if it computed none).
+        seconds: Seconds it trained.
+        rounds: Steps averaged in a group.
+        local_rounds: Steps applied alone.
+        syncs: States downloaded from others.
+    """
+
+    peer_id: str
+    address: str
+    global_step: int
+    local_steps: int
+    samples_per_s: float
+    loss: float
+    seconds: float
+    rounds: int
+    local_rounds: int
+    syncs: int
+
+
+def load_charlm() -> tuple[ModuleType, ModuleType]:
+    """Import ``examples.charlm.data`` and ``examples.charlm.model`` from the checkout.
+
+    ``examples/`` is not installed with the package; it is found beside the
+    ``p2ptrain`` directory.
+
+    Raises:
+        ConfigError: The example is not there (not a source checkout).
+    """
+    if not (REPO_ROOT / "examples" / "charlm" / "model.py").is_file():
+        raise ConfigError(
+            f"the charlm example was not found under {REPO_ROOT / 'examples'} "
+            "(`p2ptrain train` needs a source checkout)"
+        )
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    return (
+        importlib.import_module("examples.charlm.data"),
+        importlib.import_module("examples.charlm.model"),
+    )
+
+
+def _shard_of(peer_id: PeerID) -> int:
+    digest = hashlib.sha256(str(peer_id).encode()).digest()
+    return int.from_bytes(digest[:4], "big") % _NUM_SHARDS
+
+
+class _Display:
+    """A one-line progress display that redraws in place on a terminal."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream
+        self.tty = bool(stream is not None and stream.isatty())
+        self._width = 0
+
+    def show(self, text: str) -> None:
+        if self.stream is None:
+            return
+        if self.tty:
+            pad = max(0, self._width - len(text))
+            self.stream.write("\r" + text + " " * pad)
+            self._width = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.stream is not None and self.tty and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _progress_line(
+    *, samples_per_s: float, step: int, loss: float, peers: int, elapsed: float
+) -> str:
+    return (
+        f"[{elapsed:6.1f}s] {samples_per_s:7.1f} samples/s | global step {step:5d} | "
+        f"loss {loss:.4f} | peers online {peers}"
+    )
+
+
+def run_training_peer(
+    config: TrainingSessionConfig,
+    *,
+    display: TextIO | None = None,
+    log: Callable[[dict[str, Any]], None] | None = None,
+    announce: Callable[[str], None] | None = None,
+    stop: threading.Event | None = None,
+) -> TrainingSummary:
+    """Join the swarm and train charlm until ``config.seconds`` have passed.
+
+    Args:
+        config: The session.
+        display: Stream for the one-line progress display (redrawn in place
+            on a terminal, one line per update otherwise), or ``None``.
+        log: Called with every event as a JSON-able dict: ``start`` (peer id,
+            address, time), ``progress`` (every ``log_interval`` seconds) and
+            ``end`` (the summary).
+        announce: Called once with the peer's address when it joined.
+        stop: Set it (from a signal handler or another thread) to end the
+            session cleanly before ``config.seconds``.
+
+    Returns:
+        What the session did.
+
+    Raises:
+        ConfigError: The charlm example is missing.
+        LookupFailedError: None of the initial peers answered.
+        ConnectError: The port cannot be bound.
+    """
+    import torch  # noqa: PLC0415 - slow import, only for training
+
+    from p2ptrain.allreduce.bandwidth import ThroughputConfig  # noqa: PLC0415
+    from p2ptrain.allreduce.matchmaking import MatchmakingConfig  # noqa: PLC0415
+    from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
+    from p2ptrain.metrics import Metrics, MetricsServer  # noqa: PLC0415
+    from p2ptrain.peer import Peer, PeerConfig  # noqa: PLC0415
+    from p2ptrain.train import CollaborativeOptimizer, TrainerConfig  # noqa: PLC0415
+
+    data, charlm = load_charlm()
+    emit = log or (lambda event: None)
+    torch.set_num_threads(1)
+    model_config = charlm.ModelConfig()
+    model = charlm.make_model(model_config)
+    inner = charlm.make_optimizer(model)
+    sampler = data.load_corpus().sampler(seq_len=model_config.context, seed=0)
+
+    throughput = ThroughputConfig(
+        upload_bytes_per_s=None if config.upload_mbit is None else config.upload_mbit * _MBIT,
+        download_bytes_per_s=(
+            None if config.download_mbit is None else config.download_mbit * _MBIT
+        ),
+    )
+    peer_config = PeerConfig(
+        node=config.node,
+        dht=DHTNodeConfig(initial_peers=config.initial_peers),
+        matchmaking=MatchmakingConfig(window=2.0, poll_interval=0.05, plan_timeout=5.0),
+        throughput=throughput,
+        identity_path=config.identity_path,
+    )
+    trainer_config = TrainerConfig(
+        run_id=config.run_id,
+        target_batch_size=config.target_batch_size,
+        progress=config.progress,
+    )
+    metrics = Metrics()
+    screen = _Display(display)
+    with Peer(peer_config) as peer:
+        server: MetricsServer | None = None
+        if config.metrics_port is not None:
+            server = MetricsServer(metrics, port=config.metrics_port)
+            peer.run(server.start(), timeout=10)
+        started_wall = time.time()
+        emit(
+            {
+                "event": "start",
+                "time": started_wall,
+                "peer_id": peer.peer_id.short,
+                "address": peer.address,
+                "upload_mbit": config.upload_mbit,
+                "download_mbit": config.download_mbit,
+                "metrics_port": None if server is None else server.port,
+            }
+        )
+        if announce is not None:
+            announce(peer.address)
+        shard = _shard_of(peer.peer_id)
+        local, last_loss = 0, math.nan
+        try:
+            with CollaborativeOptimizer(
+                inner, peer=peer, config=trainer_config, metrics=metrics
+            ) as trainer:
+                started = time.monotonic()
+                deadline = math.inf if config.seconds is None else started + config.seconds
+                next_log = started
+                window_start, window_samples, rate = started, 0, 0.0
+                while (now := time.monotonic()) < deadline and not (stop and stop.is_set()):
+                    if now >= next_log:
+                        if now > window_start:
+                            rate = window_samples / (now - window_start)
+                        window_start, window_samples = now, 0
+                        view = trainer.swarm_progress()
+                        step = max(trainer.global_step, view.global_step)
+                        emit(
+                            {
+                                "event": "progress",
+                                "time": time.time(),
+                                "elapsed": now - started,
+                                "peer_id": peer.peer_id.short,
+                                "global_step": trainer.global_step,
+                                "swarm_step": step,
+                                "local_steps": local,
+                                "loss": last_loss,
+                                "samples_per_s": rate,
+                                "swarm_samples_per_s": view.samples_per_s,
+                                "peers_online": view.peers_online,
+                                "rounds": trainer.stats.rounds,
+                                "local_rounds": trainer.stats.local_rounds,
+                            }
+                        )
+                        screen.show(
+                            _progress_line(
+                                samples_per_s=rate,
+                                step=step,
+                                loss=last_loss,
+                                peers=view.peers_online,
+                                elapsed=now - started,
+                            )
+                        )
+                        next_log = now + config.log_interval
+                    batch = sampler.batch(
+                        local, config.batch_size, shard=shard, num_shards=_NUM_SHARDS
+                    )
+                    value = charlm.loss(model, batch)
+                    value.backward()
+                    last_loss = float(value.item())
+                    local += 1
+                    window_samples += config.batch_size
+                    trainer.step(config.batch_size)
+                elapsed = time.monotonic() - started
+                stats = trainer.stats
+                final_step = trainer.global_step
+        finally:
+            screen.done()
+            if server is not None:
+                peer.run(server.aclose(), timeout=10)
+        summary = TrainingSummary(
+            peer_id=peer.peer_id.short,
+            address=peer.address,
+            global_step=final_step,
+            local_steps=local,
+            samples_per_s=local * config.batch_size / elapsed if elapsed > 0 else 0.0,
+            loss=last_loss,
+            seconds=elapsed,
+            rounds=stats.rounds,
+            local_rounds=stats.local_rounds,
+            syncs=stats.syncs,
+        )
+    emit({"event": "end", "time": time.time(), **summary.__dict__})
+    return summary
+
+
+def json_lines_logger(stream: IO[str]) -> Callable[[dict[str, Any]], None]:
+    """A ``log`` callback for :func:`run_training_peer` writing one JSON object per line."""
+
+    def write(event: dict[str, Any]) -> None:
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in event.items()
+        }
+        stream.write(json.dumps(clean) + "\n")
+        stream.flush()
+
+    return write
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatusConfig:
+    """Where ``p2ptrain status`` reads a run's progress.
+
+    Attributes:
+        initial_peers: Addresses to join the DHT through.
+        run_id: The run to report on.
+        timeout: Seconds to join and read.
+        node: How the reading peer's node is configured (swarm name, secret).
+    """
+
+    initial_peers: tuple[str, ...]
+    run_id: str = "charlm"
+    timeout: float = 20.0
+    node: NodeConfig = field(default_factory=lambda: NodeConfig(port=0))
+
+    def __post_init__(self) -> None:
+        _addresses("StatusConfig", self.initial_peers)
+        if not self.initial_peers:
+            raise ConfigError("StatusConfig.initial_peers must name at least one peer")
+        if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
+            raise ConfigError("StatusConfig.run_id must be a non-empty name without '/'")
+        _number("StatusConfig", "timeout", self.timeout, low=0.0, allow_none=False)
+        if not isinstance(self.node, NodeConfig):
+            raise ConfigError("StatusConfig.node must be a NodeConfig")
+
+
+async def read_progress(dht: DHT, run_id: str) -> list[PeerProgress]:
+    """Read the live progress records of ``run_id`` from ``dht`` (a started :class:`DHT`)."""
+    from p2ptrain.dht.records import key_owner, owner_bound_key  # noqa: PLC0415
+    from p2ptrain.errors import IdentityError, RemoteProtocolError  # noqa: PLC0415
+    from p2ptrain.train.tracker import PROGRESS_SUBKEY, progress_key  # noqa: PLC0415
+
+    entries = await dht.get_dictionary(progress_key(run_id))
+    records: list[PeerProgress] = []
+    for subkey, item in entries.items():
+        owner = key_owner(subkey)
+        if owner is None or subkey != owner_bound_key(PROGRESS_SUBKEY, owner):
+            continue
+        try:
+            records.append(PeerProgress.from_wire(PeerID.from_public_key(owner), item.value))
+        except (RemoteProtocolError, IdentityError):
+            continue
+    return records
+
+
+def _reachability(record: PeerProgress) -> str:
+    if record.address is None:
+        return "client mode (dials out only)"
+    host_port = record.address.rsplit("@", 1)[-1]
+    return f"direct {host_port}"
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    return f"{seconds:.1f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+
+
+def format_status(
+    records: Sequence[PeerProgress], *, run_id: str, now: float, target_batch_size: int | None
+) -> str:
+    """Format progress records as a table, one row per peer, highest step first.
+
+    Args:
+        records: The run's live records.
+        run_id: The run's name, for the heading.
+        now: The current time (Unix seconds), for "last seen".
+        target_batch_size: The run's target, if known, for the heading.
+    """
+    view = aggregate(records, target_batch_size=target_batch_size, now=now)
+    if not view.records:
+        return f"run {run_id!r}: no live peers found"
+    headers = ("PeerID", "reachability/path", "samples/s", "last seen", "global step")
+    rows = [
+        (
+            r.peer_id.short,
+            _reachability(r),
+            f"{r.samples_per_s:.1f}",
+            _ago(now - r.time),
+            str(r.step),
+        )
+        for r in view.records
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    heading = (
+        f"run {run_id!r}: {view.peers_online} peers online, global step {view.global_step}, "
+        f"{view.samples_per_s:.1f} samples/s"
+    )
+    return "\n".join(
+        [heading, line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+    )
+
+
+def status_table(config: StatusConfig) -> str:
+    """Join the DHT as a client, read the run's progress records and format them.
+
+    Raises:
+        LookupFailedError: None of the initial peers answered.
+        DHTError: Joining and reading took longer than ``config.timeout``.
+    """
+    from p2ptrain.aio import run  # noqa: PLC0415
+    from p2ptrain.dht.api import DHT  # noqa: PLC0415
+    from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
+
+    async def read() -> list[PeerProgress]:
+        dht_config = DHTNodeConfig(initial_peers=config.initial_peers, client_mode=True)
+        async with DHT(node_config=config.node, config=dht_config) as dht:
+            return await read_progress(dht, config.run_id)
+
+    async def bounded() -> list[PeerProgress]:
+        import asyncio  # noqa: PLC0415
+
+        try:
+            async with asyncio.timeout(config.timeout):
+                return await read()
+        except TimeoutError:
+            raise DHTError(f"no answer from the swarm within {config.timeout:g} s") from None
+
+    records = run(bounded())
+    return format_status(records, run_id=config.run_id, now=time.time(), target_batch_size=None)

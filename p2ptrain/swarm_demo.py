@@ -1,0 +1,475 @@
+"""The local-swarm demo: real peer processes train the charlm example together.
+
+:func:`run_swarm_demo` starts ``p2ptrain bootstrap`` and then ``peers``
+processes of ``p2ptrain train`` on loopback, each announcing a different
+upload and download rate so that the load balancer sees unequal peers. The
+last peer joins late, a third into the run, and downloads the swarm's state.
+Every peer writes JSON event lines on its stdout; the demo collects them and
+at the end prints a summary (who joined when, global steps, samples/s, loss)
+and writes a PNG of each peer's loss against time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from p2ptrain.errors import ConfigError
+
+__all__ = [
+    "PeerRun",
+    "SwarmDemoConfig",
+    "SwarmDemoResult",
+    "format_summary",
+    "plot_loss",
+    "run_swarm_demo",
+]
+
+# (upload, download) Mbit/s announced by peer i (cycled): fast fibre to a slow DSL line.
+BANDWIDTHS: tuple[tuple[float, float], ...] = (
+    (200.0, 500.0),
+    (50.0, 200.0),
+    (20.0, 100.0),
+    (5.0, 25.0),
+)
+_STARTUP_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class SwarmDemoConfig:
+    """The demo swarm.
+
+    Attributes:
+        peers: Training peers (at least 2); the last one joins late.
+        seconds: Seconds the peers that start first train; the late peer
+            stops at the same time.
+        late_fraction: When the late peer starts, as a fraction of ``seconds``.
+        batch_size: Local batch of every peer.
+        target_batch_size: Samples per swarm step; ``None``: 4 local batches
+            per peer.
+        run_id: The run's name.
+        png: Where to write the loss plot.
+        log_dir: A directory to keep every peer's JSON lines in, or ``None``.
+        bandwidths: (upload, download) Mbit/s per peer, cycled.
+    """
+
+    peers: int = 4
+    seconds: float = 90.0
+    late_fraction: float = 1 / 3
+    batch_size: int = 16
+    target_batch_size: int | None = None
+    run_id: str = "charlm-demo"
+    png: str = "p2ptrain-demo-loss.png"
+    log_dir: str | None = None
+    bandwidths: tuple[tuple[float, float], ...] = field(default=BANDWIDTHS)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.peers, bool) or not isinstance(self.peers, int) or self.peers < 2:
+            raise ConfigError(f"the demo needs at least 2 peers, got {self.peers!r}")
+        if self.peers > 32:
+            raise ConfigError("the demo runs at most 32 peers on one machine")
+        if not (isinstance(self.seconds, int | float) and math.isfinite(self.seconds)):
+            raise ConfigError("SwarmDemoConfig.seconds must be a number")
+        if self.seconds < 3:
+            raise ConfigError(f"the demo needs at least 3 seconds, got {self.seconds!r}")
+        if not 0 <= self.late_fraction < 1:
+            raise ConfigError("SwarmDemoConfig.late_fraction must be in [0, 1)")
+        if isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise ConfigError("SwarmDemoConfig.batch_size must be a positive int")
+        if self.target_batch_size is not None and self.target_batch_size < 1:
+            raise ConfigError("SwarmDemoConfig.target_batch_size must be positive")
+        if not self.bandwidths or any(
+            len(pair) != 2 or not all(r > 0 for r in pair) for pair in self.bandwidths
+        ):
+            raise ConfigError("SwarmDemoConfig.bandwidths must be (upload, download) > 0 pairs")
+
+    @property
+    def target(self) -> int:
+        """Samples per swarm step."""
+        if self.target_batch_size is not None:
+            return self.target_batch_size
+        return self.peers * self.batch_size * 4
+
+    @property
+    def late_delay(self) -> float:
+        """Seconds after the first peers start when the late peer starts."""
+        return self.seconds * self.late_fraction
+
+
+@dataclass
+class PeerRun:
+    """One peer process of the demo and what it logged.
+
+    Attributes:
+        name: ``peer-<i>``.
+        upload_mbit: Announced upload rate.
+        download_mbit: Announced download rate.
+        late: Whether it joined late.
+        launched: Seconds after the demo started that its process started.
+        events: Its JSON events, each with ``"t"`` (seconds since the demo
+            started, by the demo's clock when the line arrived).
+        stderr: The tail of its stderr.
+        returncode: Its exit status (``None`` if it was killed).
+    """
+
+    name: str
+    upload_mbit: float
+    download_mbit: float
+    late: bool
+    launched: float = 0.0
+    events: list[dict[str, Any]] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+    returncode: int | None = None
+
+    def first(self, kind: str) -> dict[str, Any] | None:
+        """Its first event of ``kind``."""
+        return next((e for e in self.events if e.get("event") == kind), None)
+
+    @property
+    def joined_at(self) -> float | None:
+        """Seconds after the demo started that it joined the swarm."""
+        start = self.first("start")
+        return None if start is None else float(start["t"])
+
+    @property
+    def losses(self) -> list[tuple[float, float]]:
+        """(seconds since the demo started, loss) of its progress events."""
+        return [
+            (float(e["t"]), float(e["loss"]))
+            for e in self.events
+            if e.get("event") == "progress" and isinstance(e.get("loss"), int | float)
+        ]
+
+
+@dataclass(frozen=True)
+class SwarmDemoResult:
+    """The outcome of a demo run.
+
+    Attributes:
+        runs: Every peer's run.
+        png: The plot written, or ``None`` if there was nothing to plot.
+        wall_s: Seconds the demo took.
+    """
+
+    runs: tuple[PeerRun, ...]
+    png: Path | None
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        """Every peer exited cleanly with a summary, and the swarm stepped."""
+        ends = [r.first("end") for r in self.runs]
+        return (
+            all(r.returncode == 0 for r in self.runs)
+            and all(e is not None for e in ends)
+            and max((int(e["global_step"]) for e in ends if e is not None), default=0) > 0
+        )
+
+
+class _Process:
+    """A child process whose stdout (JSON lines) and stderr are read by threads."""
+
+    def __init__(self, argv: Sequence[str], run: PeerRun | None, origin: float) -> None:
+        self.run = run
+        self.origin = origin
+        self.lines: list[str] = []
+        self.eof = False
+        self._changed = threading.Condition()
+        self.process = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self._threads = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            arrived = time.monotonic() - self.origin
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                if self.run is not None:
+                    try:
+                        event = json.loads(line)
+                    except json.JSONDecodeError:
+                        event = None
+                    if isinstance(event, dict):
+                        event["t"] = arrived
+                        self.run.events.append(event)
+                self._changed.notify_all()
+        with self._changed:
+            self.eof = True
+            self._changed.notify_all()
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            if self.run is not None:
+                self.run.stderr = [*self.run.stderr[-40:], line.rstrip("\n")]
+
+    def wait_for_line(self, marker: str, timeout: float) -> str:
+        """The first stdout line containing ``marker``."""
+        with self._changed:
+            found = self._changed.wait_for(
+                lambda: (
+                    any(marker in line for line in self.lines) or self.process.poll() is not None
+                ),
+                timeout,
+            )
+            for line in self.lines:
+                if marker in line:
+                    return line
+        why = "timed out" if not found else f"exited ({self.process.poll()})"
+        raise ConfigError(f"a demo process {why} before printing {marker!r}")
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait for the process to exit; kill it after ``timeout`` seconds."""
+        try:
+            code: int | None = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            code = None
+        for thread in self._threads:
+            thread.join(5)
+        return code
+
+    def stop(self) -> None:
+        """Terminate (then kill) the process if it still runs."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "p2ptrain.cli", *args]
+
+
+def _train_argv(config: SwarmDemoConfig, run: PeerRun, join: str, seconds: float) -> list[str]:
+    return _cli(
+        "train",
+        "--join",
+        join,
+        "--run-id",
+        config.run_id,
+        "--target-batch-size",
+        str(config.target),
+        "--batch-size",
+        str(config.batch_size),
+        "--seconds",
+        f"{seconds:.1f}",
+        "--upload-mbit",
+        f"{run.upload_mbit:g}",
+        "--download-mbit",
+        f"{run.download_mbit:g}",
+        "--log-json",
+        "-",
+    )
+
+
+def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> SwarmDemoResult:
+    """Run the demo swarm, print a summary to ``out`` and write the loss plot.
+
+    Raises:
+        ConfigError: The bootstrap peer did not come up.
+    """
+
+    def say(text: str) -> None:
+        if out is not None:
+            out.write(text + "\n")
+            out.flush()
+
+    origin = time.monotonic()
+    runs = tuple(
+        PeerRun(
+            name=f"peer-{i}",
+            upload_mbit=config.bandwidths[i % len(config.bandwidths)][0],
+            download_mbit=config.bandwidths[i % len(config.bandwidths)][1],
+            late=i == config.peers - 1,
+        )
+        for i in range(config.peers)
+    )
+    processes: list[_Process] = []
+    boot = _Process(_cli("bootstrap", "--port", "0"), None, origin)
+    try:
+        line = boot.wait_for_line("--join", _STARTUP_TIMEOUT)
+        join = line.split("--join", 1)[1].strip()
+        say(f"bootstrap peer {join}")
+        say(
+            f"starting {config.peers - 1} peers now and 1 after {config.late_delay:.0f} s; "
+            f"training {config.seconds:.0f} s, target batch {config.target} samples"
+        )
+        early, late = runs[:-1], runs[-1]
+        for run in early:
+            run.launched = time.monotonic() - origin
+            processes.append(_Process(_train_argv(config, run, join, config.seconds), run, origin))
+        # The late peer starts a while after the first peers train, and is told
+        # to stop (SIGTERM: a clean end with a summary) when they are done.
+        first_start = _wait_for_start(early, _STARTUP_TIMEOUT)
+        wait = first_start + config.late_delay - (time.monotonic() - origin)
+        if wait > 0:
+            time.sleep(wait)
+        late.launched = time.monotonic() - origin
+        late_process = _Process(
+            _train_argv(config, late, join, config.seconds + _STARTUP_TIMEOUT), late, origin
+        )
+        processes.append(late_process)
+        say(f"{late.name} starts late at {late.launched:.0f} s")
+        limit = config.seconds + _STARTUP_TIMEOUT
+        for process in processes[:-1]:
+            assert process.run is not None
+            process.run.returncode = process.wait(max(1.0, limit - (time.monotonic() - origin)))
+        late_process.process.terminate()
+        late.returncode = late_process.wait(30.0)
+    finally:
+        for process in processes:
+            process.stop()
+        boot.stop()
+        boot.wait(10)
+    wall = time.monotonic() - origin
+    if config.log_dir is not None:
+        _save_logs(runs, Path(config.log_dir))
+    png = plot_loss(runs, Path(config.png))
+    result = SwarmDemoResult(runs=runs, png=png, wall_s=wall)
+    say(format_summary(result, config))
+    return result
+
+
+def _wait_for_start(runs: Sequence[PeerRun], timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        joined = [r.joined_at for r in runs if r.joined_at is not None]
+        if joined:
+            return min(joined)
+        time.sleep(0.1)  # polls data gathered by the reader threads
+    raise ConfigError("no demo peer started training in time")
+
+
+def _save_logs(runs: Sequence[PeerRun], directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        with (directory / f"{run.name}.jsonl").open("w", encoding="utf-8") as handle:
+            for event in run.events:
+                handle.write(json.dumps(event) + "\n")
+
+
+def plot_loss(runs: Sequence[PeerRun], path: Path) -> Path | None:
+    """Write a PNG of every peer's loss against time; ``None`` if no loss was logged."""
+    if not any(run.losses for run in runs):
+        return None
+    import matplotlib  # noqa: PLC0415 - slow import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for run in runs:
+        points = run.losses
+        if not points:
+            continue
+        label = f"{run.name} ({run.upload_mbit:g}/{run.download_mbit:g} Mbit/s)"
+        if run.late:
+            label += ", late"
+        axes.plot([t for t, _ in points], [v for _, v in points], label=label)
+        if run.late and run.joined_at is not None:
+            axes.axvline(run.joined_at, color="grey", linestyle=":", linewidth=1)
+    axes.set_xlabel("seconds since the demo started")
+    axes.set_ylabel("training loss (last local batch)")
+    axes.set_title("p2ptrain demo: charlm trained by a local swarm")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _fmt(value: object, spec: str) -> str:
+    if isinstance(value, int | float) and math.isfinite(value):
+        return format(value, spec)
+    return "-"
+
+
+def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
+    """The demo's summary: one row per peer, then the swarm's loss and throughput."""
+    headers = (
+        "peer",
+        "PeerID",
+        "up/down Mbit/s",
+        "joined at",
+        "global step",
+        "local batches",
+        "rounds",
+        "syncs",
+        "samples/s",
+        "final loss",
+        "exit",
+    )
+    rows: list[tuple[str, ...]] = []
+    for run in result.runs:
+        end = run.first("end") or {}
+        start = run.first("start") or {}
+        rows.append(
+            (
+                run.name + (" (late)" if run.late else ""),
+                str(start.get("peer_id", "-")),
+                f"{run.upload_mbit:g}/{run.download_mbit:g}",
+                _fmt(run.joined_at, ".1f") + ("s" if run.joined_at is not None else ""),
+                str(end.get("global_step", "-")),
+                str(end.get("local_steps", "-")),
+                str(end.get("rounds", "-")),
+                str(end.get("syncs", "-")),
+                _fmt(end.get("samples_per_s"), ".1f"),
+                _fmt(end.get("loss"), ".4f"),
+                "killed" if run.returncode is None else str(run.returncode),
+            )
+        )
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    lines = [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+    points = sorted(p for run in result.runs for p in run.losses)
+    ends = [run.first("end") for run in result.runs]
+    total_rate = sum(float(e["samples_per_s"]) for e in ends if e is not None)
+    steps = max((int(e["global_step"]) for e in ends if e is not None), default=0)
+    lines.append("")
+    lines.append(
+        f"swarm: {steps} global steps of {config.target} samples, "
+        f"{total_rate:.1f} samples/s (sum over peers), wall {result.wall_s:.0f} s"
+    )
+    if points:
+        head = [v for _, v in points[: max(1, len(result.runs))]]
+        tail = [v for _, v in points[-max(1, len(result.runs)) :]]
+        lines.append(
+            f"loss: {sum(head) / len(head):.4f} at the start -> "
+            f"{sum(tail) / len(tail):.4f} at the end"
+        )
+    for run in result.runs:
+        if run.returncode != 0 and run.stderr:
+            lines.append(f"{run.name} stderr: {run.stderr[-1]}")
+    lines.append(f"loss plot: {result.png}" if result.png else "loss plot: nothing to plot")
+    lines.append("demo OK" if result.ok else "demo FAILED (see above)")
+    return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""`p2ptrain train` and `p2ptrain status`, driven through the real command line."""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from p2ptrain.cli import main
+from p2ptrain.errors import ConfigError
+from p2ptrain.identity import Identity
+from p2ptrain.session import TrainingSessionConfig, format_status
+from p2ptrain.train.progress import PeerProgress
+
+
+class Proc:
+    """A CLI process whose stdout lines arrive in a queue (read with a timeout)."""
+
+    def __init__(self, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "p2ptrain.cli", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def next_line(self, deadline: float) -> str:
+        line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        if line is None:
+            err = self.process.stderr.read() if self.process.stderr else ""
+            raise AssertionError(f"process exited: {err[-2000:]}")
+        return line
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for proc in reversed(started):
+        proc.stop()
+
+
+def _wait_for_joint_step(peer: Proc, deadline: float) -> dict[str, Any]:
+    """The first progress event showing a step averaged with another peer."""
+    while True:
+        event = json.loads(peer.next_line(deadline))
+        if event["event"] == "progress" and event["rounds"] >= 1 and event["peers_online"] >= 2:
+            return dict(event)
+
+
+def test_two_peers_train_and_status_lists_them(procs: list[Proc]) -> None:
+    deadline = time.monotonic() + 50
+    boot = Proc("bootstrap", "--port", "0")
+    procs.append(boot)
+    assert "ready" in boot.next_line(deadline)
+    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+    train_args = ("train", "--join", address, "--run-id", "t", "--seconds", "60")
+    sizes = ("--target-batch-size", "16", "--batch-size", "4", "--log-json", "-")
+    peers = [
+        Proc(*train_args, *sizes, "--upload-mbit", "50", "--download-mbit", "100"),
+        Proc(*train_args, *sizes),
+    ]
+    procs.extend(peers)
+    events = [_wait_for_joint_step(peer, deadline) for peer in peers]
+    ids = {e["peer_id"] for e in events}
+    assert len(ids) == 2
+
+    status = subprocess.run(
+        [sys.executable, "-m", "p2ptrain.cli", "status", "--join", address, "--run-id", "t"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert "PeerID" in lines[1] and "global step" in lines[1] and "samples/s" in lines[1]
+    rows = {line.split()[0]: line.split() for line in lines[3:]}
+    assert ids <= set(rows), status.stdout
+    for peer_id in ids:
+        assert int(rows[peer_id][-1]) >= 1  # the global step column
+        assert rows[peer_id][1] == "direct"
+
+
+@pytest.mark.parametrize("command", ["train", "status"])
+def test_help_has_an_example(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: p2ptrain {command}" in out and "example: p2ptrain " + command in out
+    assert "--join" in out
+
+
+def test_train_mistakes_are_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "p2ptrain.cli", "train", "--join", "x", "--batch-size", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "batch_size" in result.stderr
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError):
+        TrainingSessionConfig(initial_peers=("a",), seconds=-1)
+    with pytest.raises(ConfigError):
+        TrainingSessionConfig(initial_peers=["a"])  # type: ignore[arg-type]
+
+
+def test_format_status_orders_by_step() -> None:
+    now = 1000.0
+    a, b = Identity.generate().peer_id, Identity.generate().peer_id
+    records = [
+        PeerProgress(a, step=3, samples=0, samples_per_s=12.5, time=now - 1, address=None),
+        PeerProgress(
+            b, step=5, samples=8, samples_per_s=40.0, time=now - 2, address=f"{b}@127.0.0.1:4001"
+        ),
+    ]
+    table = format_status(records, run_id="r", now=now, target_batch_size=None)
+    lines = table.splitlines()
+    assert "2 peers online, global step 5" in lines[0]
+    assert lines[3].startswith(b.short) and "direct 127.0.0.1:4001" in lines[3]
+    assert lines[4].startswith(a.short) and "client mode" in lines[4]
+    assert "1.0s ago" in lines[4]

@@ -1,0 +1,60 @@
+"""`p2ptrain demo`: a process-based swarm trains charlm, prints a summary, writes a PNG."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2ptrain.errors import ConfigError
+from p2ptrain.swarm_demo import PeerRun, SwarmDemoConfig, SwarmDemoResult, format_summary
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_with_three_peers_prints_a_summary_and_a_png(tmp_path: Path) -> None:
+    png = tmp_path / "loss.png"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "p2ptrain.cli",
+            "demo",
+            "--peers",
+            "3",
+            "--seconds",
+            "8",
+            "--png",
+            str(png),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "peer-2 (late)" in out and "global step" in out and "samples/s" in out
+    assert "loss:" in out and "demo OK" in out
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert len(list((tmp_path / "logs").glob("peer-*.jsonl"))) == 3
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError):
+        SwarmDemoConfig(peers=1)
+    with pytest.raises(ConfigError):
+        SwarmDemoConfig(seconds=0.5)
+    assert SwarmDemoConfig(peers=4, batch_size=16).target == 256
+
+
+def test_summary_of_a_failed_run_says_so() -> None:
+    run = PeerRun(name="peer-0", upload_mbit=10, download_mbit=20, late=False, returncode=1)
+    run.stderr = ["p2ptrain train: error: boom"]
+    result = SwarmDemoResult(runs=(run,), png=None, wall_s=1.0)
+    text = format_summary(result, SwarmDemoConfig(peers=2))
+    assert not result.ok and "demo FAILED" in text and "boom" in text
