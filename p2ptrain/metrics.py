@@ -23,11 +23,11 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from p2ptrain.errors import ConfigError
 
-__all__ = ["JsonLinesWriter", "Metrics", "MetricsServer", "Sample"]
+__all__ = ["JsonLinesWriter", "Metrics", "MetricsServer", "Sample", "node_collector"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +155,29 @@ def _number(value: float) -> str:
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
     return repr(float(value))
+
+
+class _TrafficSource(Protocol):
+    def traffic_by_path(self) -> dict[str, tuple[int, int]]: ...
+
+    def connections(self) -> list[Any]: ...
+
+
+def node_collector(node: _TrafficSource) -> Callable[[], list[Sample]]:
+    """A collector of a node's open connections and their bytes per path.
+
+    Use ``metrics.add_collector(node_collector(node))``. Bytes count the
+    connections open at snapshot time (closed ones drop out).
+    """
+
+    def collect() -> list[Sample]:
+        samples = [Sample("p2ptrain_connections_open", len(node.connections()))]
+        for path, (sent, received) in sorted(node.traffic_by_path().items()):
+            samples.append(Sample("p2ptrain_path_bytes_sent", sent, {"path": path}))
+            samples.append(Sample("p2ptrain_path_bytes_received", received, {"path": path}))
+        return samples
+
+    return collect
 
 
 class JsonLinesWriter:

@@ -256,7 +256,7 @@ def run_training_peer(
     from p2ptrain.allreduce.bandwidth import ThroughputConfig  # noqa: PLC0415
     from p2ptrain.allreduce.matchmaking import MatchmakingConfig  # noqa: PLC0415
     from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
-    from p2ptrain.metrics import Metrics, MetricsServer  # noqa: PLC0415
+    from p2ptrain.metrics import Metrics, MetricsServer, node_collector  # noqa: PLC0415
     from p2ptrain.peer import Peer, PeerConfig  # noqa: PLC0415
     from p2ptrain.train import CollaborativeOptimizer, TrainerConfig  # noqa: PLC0415
 
@@ -289,6 +289,7 @@ def run_training_peer(
     metrics = Metrics()
     screen = _Display(display)
     with Peer(peer_config) as peer:
+        metrics.add_collector(node_collector(peer.node))
         server: MetricsServer | None = None
         if config.metrics_port is not None:
             server = MetricsServer(metrics, port=config.metrics_port)

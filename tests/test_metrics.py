@@ -87,3 +87,22 @@ async def test_json_lines_writer(tmp_path: Path) -> None:
     await writer.aclose()  # writes a final line
     (line,) = path.read_text().splitlines()
     assert json.loads(line)["metrics"]["rounds_total"] == 1
+
+
+async def test_node_collector_reports_bytes_per_path() -> None:
+    from p2ptrain.metrics import node_collector
+    from p2ptrain.node.node import Node
+    from p2ptrain.rpc.handlers import CallContext, Message
+
+    async def echo(ctx: CallContext, request: Message) -> Message:
+        return Message(None, request.payload)
+
+    async with Node() as server, Node() as client:
+        server.handlers.add_unary("echo", echo)
+        await client.call(server.address, "echo", None, b"x" * 100_000)
+        metrics = Metrics()
+        metrics.add_collector(node_collector(client))
+        values = metrics.snapshot()["metrics"]
+        assert values["p2ptrain_connections_open"] == 1
+        assert values['p2ptrain_path_bytes_sent{path="tcp-direct"}'] > 100_000
+        assert values['p2ptrain_path_bytes_received{path="tcp-direct"}'] > 100_000

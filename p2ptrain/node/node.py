@@ -94,6 +94,15 @@ class Node:
         """The live connections of the pool."""
         return [c for c in self._by_peer.values() if not c.closed]
 
+    def traffic_by_path(self) -> dict[str, tuple[int, int]]:
+        """Bytes (sent, received) over the open connections, per transport path."""
+        totals: dict[str, tuple[int, int]] = {}
+        for conn in self._all:
+            sent, received = totals.get(conn.path, (0, 0))
+            stats = conn.transport.stats
+            totals[conn.path] = (sent + stats.bytes_sent, received + stats.bytes_received)
+        return totals
+
     def connection_to(self, peer_id: PeerID) -> Connection | None:
         """The live pooled connection to ``peer_id``, if any."""
         conn = self._by_peer.get(peer_id)
