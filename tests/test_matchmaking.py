@@ -9,8 +9,10 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
+from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.group import GroupPlan
 from p2ptrain.allreduce.matchmaking import (
+    Balancer,
     Matchmaker,
     MatchmakingConfig,
     plan_from_wire,
@@ -133,8 +135,8 @@ async def test_a_custom_balancer_and_codec_plug_in(swarm: list[Peer]) -> None:
     own decides the parts, and a codec of our own carries them."""
     from dataclasses import dataclass
 
+    from p2ptrain.allreduce import compression
     from p2ptrain.allreduce.compression import CODEC_NAMES, Codec, NoneCodec, register_codec
-    from p2ptrain.allreduce.config import AllReduceConfig
 
     @dataclass
     class Plan:
@@ -153,17 +155,28 @@ async def test_a_custom_balancer_and_codec_plug_in(swarm: list[Peer]) -> None:
             Counting.encoded += 1
             return super().encode(tensor)
 
-    if Counting.name not in CODEC_NAMES:
-        register_codec(Counting)
+    register_codec(Counting)
     assert issubclass(Counting, Codec)
+    try:
+        await _run_with_custom_parts(
+            swarm, FirstPeerAggregates(), AllReduceConfig(codec=Counting.name)
+        )
+    finally:  # leave the registry as other tests expect it
+        compression._CODECS.pop(Counting.name)
+        CODEC_NAMES.remove(Counting.name)
+    assert Counting.encoded > 0
+
+
+async def _run_with_custom_parts(
+    swarm: list[Peer], balancer: Balancer, config: AllReduceConfig
+) -> None:
     for peer in swarm[:3]:
-        peer.matchmaker._balancer = FirstPeerAggregates()
+        peer.matchmaker._balancer = balancer
     plans = await asyncio.gather(
         *(p.matchmaker.form_group("run/custom", num_elements=300) for p in swarm[:3])
     )
     plan = plans[0]
     assert [plan.part(i)[1] - plan.part(i)[0] for i in range(3)] == [300, 0, 0]
-    config = AllReduceConfig(codec="counting-test")
     results = await asyncio.gather(
         *(
             AllReduceService.attach(p.node).allreduce(
@@ -174,4 +187,3 @@ async def test_a_custom_balancer_and_codec_plug_in(swarm: list[Peer]) -> None:
     )
     for averaged, _ in results:
         assert torch.allclose(averaged, torch.full((300,), 1.0))
-    assert Counting.encoded > 0
