@@ -331,7 +331,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             f"benchmark {args.name!r} not found at {script} (benchmarks need a source checkout)"
         )
     sys.argv = [str(script), *args.args]
-    sys.path.insert(0, str(root.parent))
+    sys.path[:0] = [str(root), str(root.parent)]  # its siblings (_common) and the repo
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:

@@ -1,0 +1,227 @@
+"""Peer processes of the all-reduce benchmark: p2ptrain and torch.distributed (gloo).
+
+Run by ``bench_allreduce.py``, one process per peer, speaking the line
+protocol of ``_allreduce_proto.py``::
+
+    python benchmarks/_allreduce_workers.py p2ptrain --host 127.0.0.1
+    python benchmarks/_allreduce_workers.py gloo --host 127.0.0.1 --master 127.0.0.1:PORT \
+        --rank R --world N --ifname lo
+
+p2ptrain: a :class:`~p2ptrain.node.node.Node` with its all-reduce service on
+an event loop (uvloop when installed); ``prepare`` carries the group plan
+(hex of its msgpack wire form) and ``go`` runs ``service.allreduce`` on the
+peer's vector with weight 1, codec ``none``. The output vector is dropped
+after the check, so that it returns to the buffer pool as in training.
+``--pool-mib`` sets how much that pool keeps (``default_pool.max_idle_bytes``),
+``--profile`` runs the peer under cProfile with a CPU clock.
+
+gloo: ``init_process_group("gloo")`` through a TCP store at ``--master``
+(rank 0 hosts it); ``go`` runs ``all_reduce(SUM)`` on a fresh copy of the
+input (made while preparing) and divides by the world size: the average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import resource
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING or __package__:
+    from benchmarks._allreduce_proto import (
+        TOLERANCE,
+        RoundOutcome,
+        input_vector,
+        max_error,
+        now,
+        process_cpu_seconds,
+        read_command,
+        write_message,
+    )
+else:  # run as a script
+    from _allreduce_proto import (
+        TOLERANCE,
+        RoundOutcome,
+        input_vector,
+        max_error,
+        now,
+        process_cpu_seconds,
+        read_command,
+        write_message,
+    )
+
+
+class _Inputs:
+    """This peer's input vector, rebuilt only when the size or rank changes."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] | None = None
+        self.vector = torch.empty(0)
+
+    def get(self, rank: int, numel: int) -> torch.Tensor:
+        if self.key != (rank, numel):
+            self.vector = torch.empty(0)  # free the old one first
+            self.vector = input_vector(rank, numel)
+            self.key = (rank, numel)
+        return self.vector
+
+
+# -- p2ptrain ---------------------------------------------------------------------------------
+
+
+async def _serve_p2ptrain(host: str, round_timeout: float, pool_bytes: int | None) -> None:
+    import msgpack
+
+    from p2ptrain.allreduce import AllReduceConfig, AllReduceService, GroupPlan
+    from p2ptrain.node.config import NodeConfig
+    from p2ptrain.node.node import Node
+    from p2ptrain.wire.buffers import default_pool
+
+    if pool_bytes is not None:
+        default_pool.max_idle_bytes = pool_bytes
+
+    loop = asyncio.get_running_loop()
+    inputs = _Inputs()
+    config = AllReduceConfig()  # codec none, plain mean
+    async with Node(config=NodeConfig(host=host)) as node:
+        service = AllReduceService(node, join_timeout=round_timeout)
+        write_message({"hello": str(node.address), "pid": os.getpid()})
+        plan: GroupPlan | None = None
+        rank = peers = 0
+        while True:
+            command = await loop.run_in_executor(None, read_command)
+            if command["cmd"] == "quit":
+                return
+            if command["cmd"] == "prepare":
+                plan = GroupPlan.from_wire(msgpack.unpackb(bytes.fromhex(command["plan"])))
+                rank, peers = command["rank"], command["peers"]
+                if plan.index_of(node.peer_id) != rank:
+                    raise SystemExit("the plan does not list this peer at its rank")
+                inputs.get(rank, plan.num_elements)
+                write_message({"prepared": True})
+                continue
+            if plan is None:
+                raise SystemExit("go before prepare")
+            vector = inputs.get(rank, plan.num_elements)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start, cpu = now(), process_cpu_seconds()
+            result, report = await service.allreduce(plan, vector, 1.0, config=config)
+            end, cpu = now(), process_cpu_seconds() - cpu
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            error = max_error(result, vector, rank, peers)
+            del result  # back to the buffer pool before the next round
+            detail = {
+                "total_s": report.total_s,
+                "reduce_scatter_s": report.reduce_scatter_s,
+                "all_gather_s": report.all_gather_s,
+                "bytes_sent": report.bytes_sent,
+                "bytes_received": report.bytes_received,
+                "send_s": report.send_s,
+                "receive_s": report.receive_s,
+                "complete": report.complete,
+                "failed": {str(k): v for k, v in report.failed.items()},
+                "page_faults": faults,
+            }
+            ok = error <= TOLERANCE and report.complete and not report.failed
+            write_message(RoundOutcome(start, end, cpu, error, ok, detail).to_dict())
+            plan = None
+
+
+# -- gloo -------------------------------------------------------------------------------------
+
+
+def _serve_gloo(master: str, rank: int, world: int, timeout: float) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{master}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    write_message({"hello": f"rank {rank}", "pid": os.getpid()})
+    inputs = _Inputs()
+    work = torch.empty(0)
+    try:
+        while True:
+            command = read_command()
+            if command["cmd"] == "quit":
+                return
+            if command["cmd"] == "prepare":
+                vector = inputs.get(rank, command["numel"])
+                if work.shape != vector.shape:
+                    work = torch.empty_like(vector)
+                work.copy_(vector)  # all_reduce works in place
+                write_message({"prepared": True})
+                continue
+            start, cpu = now(), process_cpu_seconds()
+            dist.all_reduce(work, op=dist.ReduceOp.SUM)
+            work.div_(world)
+            end, cpu = now(), process_cpu_seconds() - cpu
+            error = max_error(work, inputs.vector, rank, world)
+            write_message(RoundOutcome(start, end, cpu, error, error <= TOLERANCE).to_dict())
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one peer until the parent says quit (or closes stdin)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("system", choices=["p2ptrain", "gloo"])
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--master", help="gloo: host:port of the TCP store (rank 0 hosts it)")
+    parser.add_argument("--rank", type=int, default=0, help="gloo: this peer's rank")
+    parser.add_argument("--world", type=int, default=1, help="gloo: number of peers")
+    parser.add_argument("--ifname", help="gloo: network interface (GLOO_SOCKET_IFNAME)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds a round may take")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--profile", help="p2ptrain: write cProfile stats (CPU time) to this file ({pid} expands)"
+    )
+    parser.add_argument(
+        "--pool-mib",
+        type=int,
+        help="p2ptrain: idle bytes its buffer pool keeps, MiB (default: the library's)",
+    )
+    args: Any = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    pool_bytes = None if args.pool_mib is None else args.pool_mib * (1 << 20)
+    if args.system == "p2ptrain":
+        from p2ptrain.aio import run
+
+        if args.profile:
+            import cProfile
+            import time
+
+            # Import what the peer uses first: module imports are start-up, not rounds.
+            import msgpack  # noqa: F401
+
+            import p2ptrain.allreduce
+            import p2ptrain.node.node  # noqa: F401
+            from p2ptrain.aio import has_uvloop
+
+            has_uvloop()  # imports uvloop
+
+            with cProfile.Profile(time.process_time) as profiler:  # CPU, not waiting
+                run(_serve_p2ptrain(args.host, args.timeout, pool_bytes))
+            profiler.dump_stats(args.profile.format(pid=os.getpid()))
+        else:
+            run(_serve_p2ptrain(args.host, args.timeout, pool_bytes))
+    else:
+        if args.master is None:
+            parser.error("gloo needs --master")
+        if args.ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
+        _serve_gloo(args.master, args.rank, args.world, args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

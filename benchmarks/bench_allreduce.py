@@ -1,0 +1,354 @@
+"""All-reduce benchmark: p2ptrain's butterfly against torch.distributed gloo and hivemind.
+
+Usage::
+
+    python benchmarks/bench_allreduce.py [--sizes 4,64,256] [--repeats 5] [--peers 4]
+        [--chunk-kib 1024] [--p2ptrain-pool-mib N] [--profile-dir DIR]
+        [--hivemind-python PATH | --no-hivemind] [--skip-hetero] [--hetero-mb 16]
+        [--hetero-chunk-kib 256] [--hetero-repeats N] [--png allreduce.png] [--json-only]
+
+**Loopback.** ``--peers`` processes per system average a float32 vector of
+each ``--sizes`` MiB:
+
+* ``p2ptrain``: the butterfly all-reduce with equal shares, codec ``none``,
+  uvloop, ``--chunk-kib`` chunks (the library's default: 1 MiB) and the
+  library's buffer pool (``--p2ptrain-pool-mib`` changes how much it keeps;
+  ``--profile-dir`` profiles the peers and prints where their CPU goes);
+* ``gloo``: ``torch.distributed.all_reduce(SUM)`` over gloo (TCP store on
+  loopback), then a division by the world size;
+* ``hivemind``: hivemind's ``DecentralizedAverager`` in its own virtual
+  environment (``--hivemind-python``, by default /opt/hivemind-venv/bin/python
+  when it exists), its own DHT on loopback; matchmaking happens before the
+  timed region (``step(require_trigger=True)``), the trigger starts it.
+
+For each size a warm-up round, then ``--repeats`` timed rounds (p2ptrain and
+gloo alternate; hivemind runs afterwards). A round lasts from the first peer
+receiving ``go`` to the last peer holding its result; the table gives the
+median. CPU is ``getrusage`` of every peer process around its part of the
+round (hivemind: its whole process tree, daemon included, from /proc), summed
+over the peers, per GiB of vector. Every peer checks its whole result against
+the exact average after every round (outside the timing); a wrong average
+stops the benchmark (hivemind's rounds that keep local values, which its
+fault tolerance allows, or whose matchmaking forms no group are retried and
+counted in ``retried_rounds``).
+
+**Heterogeneous bandwidth** (root only; ``--skip-hetero`` to leave it out):
+eight peers in network namespaces with ``tc tbf`` links, the LP's shares
+against equal shares and gloo, each against its model's prediction; see
+``_allreduce_hetero.py`` for the scenario and why it was chosen.
+
+Output: the tables, ratios against the goals, a PNG (``--png``), and as the
+very last line one JSON object. Units: 1 MiB = 2**20 bytes; ``cpu_s_per_GB``
+is CPU seconds per GiB (2**30 bytes) of vector; rates are Mbit/s = 10**6 bit/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from p2ptrain.testing.natlab_netns import python_env
+
+if TYPE_CHECKING or __package__:
+    from benchmarks._allreduce_hetero import HeteroResult, run_hetero
+    from benchmarks._allreduce_netlab import unavailable_reason
+    from benchmarks._allreduce_report import (
+        Series,
+        hetero_report,
+        loopback_report,
+        plot,
+        profile_report,
+    )
+    from benchmarks._allreduce_runner import (
+        BenchmarkError,
+        NotPreparedError,
+        PeerGroup,
+        WrongAverageError,
+        run_round,
+    )
+    from benchmarks._allreduce_systems import (
+        find_hivemind_python,
+        free_port,
+        p2ptrain_plan,
+        p2ptrain_prepares,
+        start_gloo,
+        start_hivemind,
+        start_p2ptrain,
+        vector_prepares,
+    )
+    from benchmarks._common import emit_json, uvloop_available
+else:  # run as a script: python benchmarks/bench_allreduce.py, or p2ptrain bench allreduce
+    # (the latter runs this file by path, from the repository root: make its siblings importable)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _allreduce_hetero import HeteroResult, run_hetero
+    from _allreduce_netlab import unavailable_reason
+    from _allreduce_report import (
+        Series,
+        hetero_report,
+        loopback_report,
+        plot,
+        profile_report,
+    )
+    from _allreduce_runner import (
+        BenchmarkError,
+        NotPreparedError,
+        PeerGroup,
+        WrongAverageError,
+        run_round,
+    )
+    from _allreduce_systems import (
+        find_hivemind_python,
+        free_port,
+        p2ptrain_plan,
+        p2ptrain_prepares,
+        start_gloo,
+        start_hivemind,
+        start_p2ptrain,
+        vector_prepares,
+    )
+    from _common import emit_json, uvloop_available
+
+MiB = 1 << 20
+HIVEMIND_RETRIES = 3
+"""Extra attempts for a hivemind round that formed no group or whose result kept local values."""
+
+
+def _log(args: argparse.Namespace, text: str) -> None:
+    if not args.json_only:
+        print(text, file=sys.stderr, flush=True)
+
+
+# -- loopback ---------------------------------------------------------------------------------
+
+
+def _timed(
+    args: argparse.Namespace,
+    series: Series,
+    attempt: int,
+    group: PeerGroup,
+    prepares: Sequence[dict[str, Any]],
+    *,
+    retries: int = 0,
+) -> None:
+    """Run one round; keep it unless it is the warm-up."""
+    for tries in range(retries + 1):
+        try:
+            round_ = run_round(
+                group, prepares, prepare_timeout=args.timeout, round_timeout=args.timeout
+            )
+            break
+        except (WrongAverageError, NotPreparedError) as exc:
+            if tries == retries:
+                raise
+            series.retried += 1
+            _log(args, f"  {series.system}: retrying the round ({exc})")
+            if isinstance(exc, NotPreparedError):
+                group.request([{"cmd": "cancel"}] * len(group), timeout=args.timeout)
+    kind = "warm-up" if attempt == 0 else f"run {attempt}"
+    _log(
+        args,
+        f"  {series.system:<8} {series.size_bytes // MiB:>4} MiB {kind:>8}: "
+        f"{round_.seconds:7.3f} s, CPU {round_.cpu_s:6.3f} s, max error {round_.max_error:.1e}",
+    )
+    if attempt:
+        series.rounds.append(round_)
+
+
+def measure_p2ptrain_and_gloo(args: argparse.Namespace) -> list[Series]:
+    """Both systems' peers run side by side; their rounds alternate."""
+    n, env = args.peers, python_env()
+    results = []
+    with PeerGroup("p2ptrain", env=env) as ours, PeerGroup("gloo", env=env) as gloo:
+        profile = None
+        if args.profile_dir:
+            profile = os.path.join(os.path.abspath(args.profile_dir), "p2ptrain-{pid}.prof")
+        addresses = start_p2ptrain(
+            ours,
+            ["127.0.0.1"] * n,
+            timeout=args.timeout,
+            pool_mib=args.p2ptrain_pool_mib,
+            profile=profile,
+        )
+        start_gloo(gloo, f"127.0.0.1:{free_port()}", n, ifname="lo", timeout=args.timeout)
+        for size in args.sizes:
+            numel = size * MiB // 4
+            mine = Series("p2ptrain", n, numel * 4)
+            theirs = Series("gloo", n, numel * 4)
+            for attempt in range(1 + args.repeats):
+                plan = p2ptrain_plan(
+                    addresses,
+                    [1 / n] * n,
+                    numel,
+                    chunk_elements=args.chunk_kib * 256,
+                    timeout=args.timeout,
+                )
+                runs = [
+                    (mine, ours, p2ptrain_prepares(plan)),
+                    (theirs, gloo, vector_prepares(n, numel)),
+                ]
+                for series, group, prepares in runs if attempt % 2 == 0 else runs[::-1]:
+                    _timed(args, series, attempt, group, prepares)
+            results += [mine, theirs]
+    return results
+
+
+def measure_hivemind(args: argparse.Namespace, python: str) -> list[Series]:
+    """hivemind's peers, one averager per size (its first round is the warm-up)."""
+    n = args.peers
+    results = []
+    with PeerGroup("hivemind", env=python_env()) as group:
+        start_hivemind(
+            group, python, n, matchmaking_s=args.hivemind_matchmaking_s, timeout=args.timeout
+        )
+        for size in args.sizes:
+            numel = size * MiB // 4
+            series = Series("hivemind", n, numel * 4)
+            for attempt in range(1 + args.repeats):
+                prepares = vector_prepares(n, numel)
+                _timed(args, series, attempt, group, prepares, retries=HIVEMIND_RETRIES)
+            results.append(series)
+    return results
+
+
+# -- entry point ------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse and check the command line."""
+    parser = argparse.ArgumentParser(
+        description="p2ptrain's butterfly all-reduce vs gloo and hivemind; the LP on shaped links."
+    )
+    parser.add_argument("--sizes", default="4,64,256", help="vector sizes in MiB, comma-separated")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed rounds per size (median kept)"
+    )
+    parser.add_argument("--peers", type=int, default=4, help="peers on loopback")
+    parser.add_argument(
+        "--chunk-kib", type=int, default=1024, help="p2ptrain chunk size on loopback (KiB)"
+    )
+    parser.add_argument(
+        "--p2ptrain-pool-mib",
+        type=int,
+        help="idle bytes p2ptrain's buffer pool may keep, MiB (default: the library's, 256)",
+    )
+    parser.add_argument(
+        "--profile-dir",
+        help="run the loopback p2ptrain peers under cProfile, write the stats here, summarize",
+    )
+    parser.add_argument("--hivemind-python", help="interpreter with hivemind installed")
+    parser.add_argument("--no-hivemind", action="store_true", help="leave hivemind out")
+    parser.add_argument(
+        "--hivemind-matchmaking-s", type=float, default=2.0, help="hivemind min_matchmaking_time"
+    )
+    parser.add_argument("--skip-hetero", action="store_true", help="leave out the shaped-link part")
+    parser.add_argument("--hetero-mb", type=float, default=16, help="vector MiB on shaped links")
+    parser.add_argument(
+        "--hetero-chunk-kib", type=int, default=256, help="p2ptrain chunk size on shaped links"
+    )
+    parser.add_argument(
+        "--hetero-repeats",
+        type=int,
+        help="timed rounds per plan on shaped links (default --repeats)",
+    )
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds one round may take")
+    parser.add_argument("--png", default="allreduce.png", help="where to write the plot")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    args = parser.parse_args(argv)
+    try:
+        args.sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        parser.error("--sizes must be integers (MiB) separated by commas")
+    if not args.sizes or any(size <= 0 for size in args.sizes):
+        parser.error("--sizes must be positive")
+    if args.repeats < 1 or args.peers < 2:
+        parser.error("--repeats must be >= 1 and --peers >= 2")
+    if not 1 <= args.chunk_kib <= 8192 or not 1 <= args.hetero_chunk_kib <= 8192:
+        parser.error("chunk sizes must be 1..8192 KiB")
+    if args.hetero_repeats is None:
+        args.hetero_repeats = args.repeats
+    return args
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM: unwind like Ctrl-C, so that peers and namespaces are torn down."""
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark."""
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    series = measure_p2ptrain_and_gloo(args)
+    python, hivemind_note = (
+        (None, "hivemind skipped (--no-hivemind)")
+        if args.no_hivemind
+        else find_hivemind_python(args.hivemind_python)
+    )
+    hivemind_error = None
+    if python is not None:
+        try:
+            series += measure_hivemind(args, python)
+        except BenchmarkError as exc:
+            hivemind_error = str(exc)
+            hivemind_note = f"hivemind failed: {exc}"
+    _log(args, hivemind_note)
+
+    hetero_result: HeteroResult | None = None
+    hetero_note = None
+    if args.skip_hetero:
+        hetero_note = "skipped (--skip-hetero)"
+    elif (reason := unavailable_reason()) is not None:
+        hetero_note = f"skipped: {reason}"
+    else:
+        hetero_result = run_hetero(
+            vector_bytes=int(args.hetero_mb * MiB) // 4 * 4,
+            chunk_bytes=args.hetero_chunk_kib * 1024,
+            repeats=args.hetero_repeats,
+            timeout=args.timeout,
+            log=lambda text: _log(args, text),
+        )
+    ratios = loopback_report(args, series, hivemind_note)
+    if args.profile_dir and not args.json_only:
+        profile_report(args, series)
+    hetero = None if hetero_result is None else hetero_report(args, hetero_result)
+    if hetero_note is not None and not args.json_only:
+        print(f"Heterogeneous bandwidth: {hetero_note}")
+    if args.png:
+        plot(args.png, args, series, hetero)
+    elapsed = time.monotonic() - started
+    if not args.json_only:
+        print(f"PNG: {os.path.abspath(args.png) if args.png else '-'}; total {elapsed:.0f} s")
+    emit_json(
+        {
+            "rows": [s.row() for s in series if s.rounds],
+            "ratios": ratios,
+            "hetero": hetero if hetero is not None else {"skipped": hetero_note},
+            "hivemind": hivemind_note if hivemind_error is None else {"error": hivemind_error},
+            "peers": args.peers,
+            "repeats": args.repeats,
+            "chunk_bytes": args.chunk_kib * 1024,
+            "p2ptrain_pool_mib": args.p2ptrain_pool_mib,
+            "statistic": "median",
+            "uvloop": uvloop_available(),
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "cores": os.cpu_count(),
+            "load_avg_1min": round(os.getloadavg()[0], 2),
+            "elapsed_s": round(elapsed, 1),
+            "png": os.path.abspath(args.png) if args.png else None,
+        }
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
