@@ -13,17 +13,16 @@ from collections.abc import Awaitable, Callable
 import msgpack
 import pytest
 import torch
-from conftest import NodeFactory
+from conftest import NodeFactory, recorded_handshake, shake
 
 from p2ptrain.errors import AuthenticationError, HandshakeError, InvalidArgumentError
-from p2ptrain.handshake import AdmissionPolicy, Hello, make_auth, perform_handshake, transcript_hash
+from p2ptrain.handshake import AdmissionPolicy, Hello, make_auth, transcript_hash
 from p2ptrain.identity import Identity
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
-from p2ptrain.testing.memory import memory_transport_pair
 from p2ptrain.transport.tcp import TCPTransport, tcp_connect
 from p2ptrain.wire.frames import Frame, FrameType, encode_frame
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor
@@ -187,32 +186,7 @@ async def test_replayed_handshake_is_refused(
     server, client = await start_server(make_node), await make_node()
     alice = Identity.generate()
     # An earlier session between alice and the server's identity, recorded.
-    a, b = memory_transport_pair()
-    recorded: list[Frame] = []
-    deliver = b._deliver
-    b._deliver = lambda f: (recorded.append(f), deliver(f))[1]  # type: ignore[method-assign]
-    await asyncio.gather(
-        perform_handshake(
-            a,
-            alice,
-            initiator=True,
-            swarm="p2ptrain",
-            stream_window=1 << 20,
-            max_frame_bytes=1 << 20,
-            policy=OPEN,
-            timeout=5,
-        ),
-        perform_handshake(
-            b,
-            server.identity,
-            initiator=False,
-            swarm="p2ptrain",
-            stream_window=1 << 20,
-            max_frame_bytes=1 << 20,
-            policy=OPEN,
-            timeout=5,
-        ),
-    )
+    _, recorded = await recorded_handshake(alice, server.identity, swarm="p2ptrain")
     caplog.set_level(logging.WARNING)
     replay = b"".join(frame_bytes(f) for f in recorded)
     await while_serving_healthy(server, client, lambda: raw_attack(server, replay))
@@ -234,16 +208,7 @@ async def _dial_raw(server: Node) -> TCPTransport:
 
 async def _authenticated_raw(server: Node) -> TCPTransport:
     transport = await _dial_raw(server)
-    await perform_handshake(
-        transport,
-        Identity.generate(),
-        initiator=True,
-        swarm="p2ptrain",
-        stream_window=1 << 20,
-        max_frame_bytes=1 << 20,
-        policy=OPEN,
-        timeout=5,
-    )
+    await shake(transport, Identity.generate(), initiator=True, swarm="p2ptrain")
     return transport
 
 

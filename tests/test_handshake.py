@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 
 import pytest
+from conftest import recorded_handshake, shake
 
 from p2ptrain.errors import (
     AdmissionError,
@@ -19,7 +20,6 @@ from p2ptrain.handshake import (
     HandshakeResult,
     Hello,
     make_auth,
-    perform_handshake,
     transcript_hash,
     verify_auth,
 )
@@ -43,26 +43,11 @@ async def run_pair(
 ) -> tuple[HandshakeResult | BaseException, HandshakeResult | BaseException]:
     a, b = memory_transport_pair()
     results = await asyncio.gather(
-        perform_handshake(
-            a,
-            a_identity,
-            initiator=True,
-            swarm=a_swarm,
-            stream_window=1 << 20,
-            max_frame_bytes=1 << 20,
-            policy=a_policy,
-            expected_peer=expected,
-            timeout=5,
+        shake(
+            a, a_identity, initiator=True, swarm=a_swarm, policy=a_policy, expected_peer=expected
         ),
-        perform_handshake(
-            b,
-            b_identity,
-            initiator=False,
-            swarm=b_swarm,
-            stream_window=1 << 16,
-            max_frame_bytes=1 << 20,
-            policy=b_policy,
-            timeout=5,
+        shake(
+            b, b_identity, initiator=False, swarm=b_swarm, stream_window=1 << 16, policy=b_policy
         ),
         return_exceptions=True,
     )
@@ -163,37 +148,7 @@ def test_wrong_signature_and_reflection_are_refused() -> None:
 async def test_replayed_auth_from_an_earlier_session_is_refused() -> None:
     """An attacker who recorded alice's HELLO and AUTH cannot replay them later."""
     alice, bob = Identity.generate(), Identity.generate()
-    a, b = memory_transport_pair()
-    recorded: list[Frame] = []
-    original = b._deliver
-
-    def record(frame: Frame) -> None:
-        recorded.append(frame)
-        original(frame)
-
-    b._deliver = record  # type: ignore[method-assign]
-    _ra, rb = await asyncio.gather(
-        perform_handshake(
-            a,
-            alice,
-            initiator=True,
-            swarm="s",
-            stream_window=1 << 20,
-            max_frame_bytes=1 << 20,
-            policy=OPEN,
-            timeout=5,
-        ),
-        perform_handshake(
-            b,
-            bob,
-            initiator=False,
-            swarm="s",
-            stream_window=1 << 20,
-            max_frame_bytes=1 << 20,
-            policy=OPEN,
-            timeout=5,
-        ),
-    )
+    rb, recorded = await recorded_handshake(alice, bob, swarm="s")
     assert rb.peer_id == alice.peer_id
     hello, auth, accept = recorded
     assert accept.type is FrameType.ACCEPT
@@ -203,31 +158,13 @@ async def test_replayed_auth_from_an_earlier_session_is_refused() -> None:
     attacker.send_frame_nowait(auth)
     attacker.send_frame_nowait(accept)
     with pytest.raises(AuthenticationError, match="does not verify"):
-        await perform_handshake(
-            victim,
-            bob,
-            initiator=False,
-            swarm="s",
-            stream_window=1 << 20,
-            max_frame_bytes=1 << 20,
-            policy=OPEN,
-            timeout=5,
-        )
+        await shake(victim, bob, initiator=False)
 
 
 async def test_silent_peer_times_out() -> None:
     a, _b = memory_transport_pair()
     with pytest.raises(TransportTimeoutError, match="timed out"):
-        await perform_handshake(
-            a,
-            Identity.generate(),
-            initiator=True,
-            swarm="s",
-            stream_window=1 << 20,
-            max_frame_bytes=1 << 20,
-            policy=OPEN,
-            timeout=0.2,
-        )
+        await shake(a, Identity.generate(), initiator=True, timeout=0.2)
 
 
 async def test_malformed_hello_is_a_protocol_error() -> None:
@@ -236,14 +173,5 @@ async def test_malformed_hello_is_a_protocol_error() -> None:
     attacker, victim = memory_transport_pair()
     attacker.send_frame_nowait(Frame(FrameType.HELLO, fields={"v": 1, "pk": b"short"}))
     with pytest.raises(RemoteProtocolError, match="public key"):
-        await perform_handshake(
-            victim,
-            Identity.generate(),
-            initiator=False,
-            swarm="s",
-            stream_window=1 << 20,
-            max_frame_bytes=1 << 20,
-            policy=OPEN,
-            timeout=5,
-        )
+        await shake(victim, Identity.generate(), initiator=False)
     assert isinstance(attacker, MemoryTransport)
