@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
+from p2ptrain.testing.natlab import tbf_args
 from p2ptrain.testing.natlab_netns import (
     cleanup_stale_labs,
     delete_netns,
@@ -62,26 +63,6 @@ class LinkSpec:
     def download_bytes_per_s(self) -> float:
         """The tbf rate in bytes per second."""
         return self.download_mbit * 1e6 / 8
-
-
-def tbf_args(device: str, rate_mbit: float) -> list[str]:
-    """``tc`` arguments of the root tbf on ``device``."""
-    rate_bytes = rate_mbit * 1e6 / 8
-    burst = max(16 * 1024, int(rate_bytes / 250))
-    return [
-        "qdisc",
-        "add",
-        "dev",
-        device,
-        "root",
-        "tbf",
-        "rate",
-        f"{round(rate_mbit * 1000)}kbit",
-        "burst",
-        str(burst),
-        "latency",
-        f"{SHAPER_LATENCY_MS}ms",
-    ]
 
 
 class StarLab:
@@ -162,8 +143,22 @@ class StarLab:
                         f" congctl {self.congestion_control}"
                     ],
                 )
-            run_cmd(["tc", "-n", netns, *tbf_args("eth0", link.upload_mbit)])
-            run_cmd(["tc", "-n", hub, *tbf_args(f"h{index}", link.download_mbit)])
+            run_cmd(
+                [
+                    "tc",
+                    "-n",
+                    netns,
+                    *tbf_args("eth0", link.upload_mbit, latency_ms=SHAPER_LATENCY_MS),
+                ]
+            )
+            run_cmd(
+                [
+                    "tc",
+                    "-n",
+                    hub,
+                    *tbf_args(f"h{index}", link.download_mbit, latency_ms=SHAPER_LATENCY_MS),
+                ]
+            )
 
     def counters(self) -> list[dict[str, int]]:
         """Per host, what its shapers passed and dropped so far (``tc -s qdisc``).

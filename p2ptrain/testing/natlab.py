@@ -78,6 +78,7 @@ __all__ = [
     "Node",
     "TurnServerInfo",
     "cleanup_stale_labs",
+    "tbf_args",
     "unavailable_reason",
 ]
 
@@ -475,7 +476,14 @@ class NatLab:
         run_cmd(netns_argv(router.netns, ["iptables-restore", "-w", "10"]), stdin=rules)
         for device, rate in (("wan", home_cfg.upload_mbit), ("lan", home_cfg.download_mbit)):
             if rate is not None:
-                run_cmd(["tc", "-n", router.netns, *_tbf_args(device, rate, home_cfg)])
+                run_cmd(
+                    [
+                        "tc",
+                        "-n",
+                        router.netns,
+                        *tbf_args(device, rate, latency_ms=home_cfg.shaper_latency_ms),
+                    ]
+                )
         self._homes[home_cfg.name] = Home(
             config=home_cfg, host=host, router=router, gateway=gateway
         )
@@ -533,7 +541,11 @@ class NatLab:
         run_cmd(netns_argv(netns, ["sysctl", "-q", "-w", *settings]))
 
 
-def _tbf_args(device: str, rate_mbit: float, home_cfg: HomeConfig) -> list[str]:
+def tbf_args(device: str, rate_mbit: float, *, latency_ms: float) -> list[str]:
+    """``tc`` arguments of a root tbf shaping ``device`` to ``rate_mbit``.
+
+    The burst is 4 ms worth of the rate (at least 16 KiB).
+    """
     rate_bytes = rate_mbit * 1e6 / 8
     burst = max(16 * 1024, int(rate_bytes / 250))
     return [
@@ -548,7 +560,7 @@ def _tbf_args(device: str, rate_mbit: float, home_cfg: HomeConfig) -> list[str]:
         "burst",
         str(burst),
         "latency",
-        f"{home_cfg.shaper_latency_ms:g}ms",
+        f"{latency_ms:g}ms",
     ]
 
 
