@@ -10,8 +10,13 @@ protocol of ``_allreduce_proto.py``::
 p2ptrain: a :class:`~p2ptrain.node.node.Node` with its all-reduce service on
 an event loop (uvloop when installed); ``prepare`` carries the group plan
 (hex of its msgpack wire form) and ``go`` runs ``service.allreduce`` on the
-peer's vector with weight 1, codec ``none``. The output vector is dropped
-after the check, so that it returns to the buffer pool as in training.
+peer's vector with weight 1, codec ``none``. The check of the result runs
+in a thread, off the event loop, so that the averages this peer still has
+queued for the others keep flowing (a peer's call returns once its own
+averages are in, not once it has delivered everyone else's). The output
+vector is dropped after the check, so that it returns to the buffer pool as
+in training; the reply counts the pool's fresh allocations and the page
+faults of the round, which show buffers that were not recycled.
 ``--pool-mib`` sets how much that pool keeps (``default_pool.max_idle_bytes``),
 ``--profile`` runs the peer under cProfile with a CPU clock.
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import os
 import resource
 import sys
@@ -94,8 +100,13 @@ async def _serve_p2ptrain(host: str, round_timeout: float, pool_bytes: int | Non
         write_message({"hello": str(node.address), "pid": os.getpid()})
         plan: GroupPlan | None = None
         rank = peers = 0
+        # stdin read by the event loop itself: ``go`` starts the round at once
+        # (a reader thread would add a thread hop and a loop wake-up per command).
+        stdin = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
         while True:
-            command = await loop.run_in_executor(None, read_command)
+            line = await stdin.readline()
+            command = json.loads(line) if line else {"cmd": "quit"}
             if command["cmd"] == "quit":
                 return
             if command["cmd"] == "prepare":
@@ -110,11 +121,14 @@ async def _serve_p2ptrain(host: str, round_timeout: float, pool_bytes: int | Non
                 raise SystemExit("go before prepare")
             vector = inputs.get(rank, plan.num_elements)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            allocated = default_pool.allocated
             start, cpu = now(), process_cpu_seconds()
             result, report = await service.allreduce(plan, vector, 1.0, config=config)
             end, cpu = now(), process_cpu_seconds() - cpu
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-            error = max_error(result, vector, rank, peers)
+            # Off the event loop (torch releases the GIL): what this peer still
+            # has to send to the others (queued averages) keeps flowing meanwhile.
+            error = await loop.run_in_executor(None, max_error, result, vector, rank, peers)
             del result  # back to the buffer pool before the next round
             detail = {
                 "total_s": report.total_s,
@@ -127,6 +141,7 @@ async def _serve_p2ptrain(host: str, round_timeout: float, pool_bytes: int | Non
                 "complete": report.complete,
                 "failed": {str(k): v for k, v in report.failed.items()},
                 "page_faults": faults,
+                "pool_allocated": default_pool.allocated - allocated,
             }
             ok = error <= TOLERANCE and report.complete and not report.failed
             write_message(RoundOutcome(start, end, cpu, error, ok, detail).to_dict())

@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_allreduce.py [--sizes 4,64,256] [--repeats 5] [--peers 4]
-        [--chunk-kib 1024] [--p2ptrain-pool-mib N] [--profile-dir DIR]
+        [--chunk-kib 4096] [--p2ptrain-pool-mib N] [--profile-dir DIR] [--peer-detail]
         [--hivemind-python PATH | --no-hivemind] [--skip-hetero] [--hetero-mb 16]
         [--hetero-chunk-kib 256] [--hetero-repeats N] [--png allreduce.png] [--json-only]
 
@@ -11,7 +11,7 @@ Usage::
 each ``--sizes`` MiB:
 
 * ``p2ptrain``: the butterfly all-reduce with equal shares, codec ``none``,
-  uvloop, ``--chunk-kib`` chunks (the library's default: 1 MiB) and the
+  uvloop, ``--chunk-kib`` chunks (the library's default: 4 MiB) and the
   library's buffer pool (``--p2ptrain-pool-mib`` changes how much it keeps;
   ``--profile-dir`` profiles the peers and prints where their CPU goes);
 * ``gloo``: ``torch.distributed.all_reduce(SUM)`` over gloo (TCP store on
@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
 from p2ptrain.testing.natlab_netns import python_env
 
 if TYPE_CHECKING or __package__:
@@ -152,11 +153,27 @@ def _timed(
             if isinstance(exc, NotPreparedError):
                 group.request([{"cmd": "cancel"}] * len(group), timeout=args.timeout)
     kind = "warm-up" if attempt == 0 else f"run {attempt}"
-    _log(
-        args,
+    starts = [o["start"] for o in round_.outcomes]
+    text = (
         f"  {series.system:<8} {series.size_bytes // MiB:>4} MiB {kind:>8}: "
-        f"{round_.seconds:7.3f} s, CPU {round_.cpu_s:6.3f} s, max error {round_.max_error:.1e}",
+        f"{round_.seconds:7.3f} s, CPU {round_.cpu_s:6.3f} s, max error {round_.max_error:.1e}, "
+        f"start skew {(max(starts) - min(starts)) * 1e3:.0f} ms"
     )
+    details = [o["detail"] for o in round_.outcomes if "pool_allocated" in o.get("detail", {})]
+    if details:  # p2ptrain: signs of buffers not recycled
+        faults = sum(d["page_faults"] for d in details)
+        fresh = sum(d["pool_allocated"] for d in details)
+        text += f", page faults {faults}, fresh pool buffers {fresh}"
+    if args.peer_detail:
+        for o in round_.outcomes:
+            d = o.get("detail", {})
+            if "reduce_scatter_s" in d:
+                text += (
+                    f"\n      peer: start +{(o['start'] - min(starts)) * 1e3:.0f} ms, "
+                    f"reduce-scatter {d['reduce_scatter_s']:.3f} s, "
+                    f"all-gather {d['all_gather_s']:.3f} s, CPU {o['cpu_s']:.3f} s"
+                )
+    _log(args, text)
     if attempt:
         series.rounds.append(round_)
 
@@ -231,16 +248,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--peers", type=int, default=4, help="peers on loopback")
     parser.add_argument(
-        "--chunk-kib", type=int, default=1024, help="p2ptrain chunk size on loopback (KiB)"
+        "--chunk-kib",
+        type=int,
+        default=DEFAULT_CHUNK_ELEMENTS // 256,
+        help="p2ptrain chunk size on loopback (KiB; default: the library's)",
     )
     parser.add_argument(
         "--p2ptrain-pool-mib",
         type=int,
-        help="idle bytes p2ptrain's buffer pool may keep, MiB (default: the library's, 256)",
+        help="idle bytes p2ptrain's buffer pool may keep, MiB (default: the library's: "
+        "256, raised to twice the vector by each round)",
     )
     parser.add_argument(
         "--profile-dir",
         help="run the loopback p2ptrain peers under cProfile, write the stats here, summarize",
+    )
+    parser.add_argument(
+        "--peer-detail",
+        action="store_true",
+        help="log each p2ptrain peer's start offset, phases and CPU in every loopback round",
     )
     parser.add_argument("--hivemind-python", help="interpreter with hivemind installed")
     parser.add_argument("--no-hivemind", action="store_true", help="leave hivemind out")

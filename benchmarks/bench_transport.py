@@ -1,9 +1,11 @@
-"""Transport benchmark: p2ptrain RPC streaming against a plain asyncio socket.
+"""Transport benchmark: p2ptrain RPC against a plain socket, and the WebRTC data channel.
 
 Usage::
 
     python benchmarks/bench_transport.py [--megabytes 256] [--chunk-kib 1024]
         [--rtt-calls 10000] [--repeats 3] [--uvloop | --no-uvloop] [--png PATH] [--json-only]
+        [--no-webrtc] [--webrtc-seconds 4] [--webrtc-loss-seconds 20]
+        [--webrtc-repeats 6] [--webrtc-loss-repeats 3]
 
 For every *path* a server runs in its own OS process (this script again, in a
 hidden ``--role server`` mode) and the client side runs in this process, over
@@ -24,16 +26,29 @@ loopback:
   (unary RPC calls; a 16-byte echo on the raw path): median, p99, and the CPU
   each side spends per call.
 
+Then the WebRTC data channel, in a NAT lab of network namespaces (root only;
+without root these rows are skipped with a message and the TCP rows still
+print): stock aiortc against p2ptrain's default ``WebRTCConfig()`` between two
+homes behind easy NATs, on a clean path and on a lossy one (40 ms RTT, 0.5 %
+loss through the tun shim), runs interleaved (``--webrtc-repeats`` and
+``--webrtc-loss-repeats`` per variant); see
+``benchmarks/bench_webrtc.py``, whose code this reuses and which also runs
+the ablation.
+
 On a shared machine wall-clock figures swing from run to run; the CPU columns
 are steadier, and when both processes compete for the cores the throughput
 ratio follows the ratio of total CPU per GiB.
 
-The table goes to stdout, followed by one JSON line (always the last line).
-Units: 1 MB = 1 MiB = 2**20 bytes, so ``rpc_MBps`` is MiB/s.
+The table goes to stdout, followed by one JSON line (always the last line)
+with, besides the TCP figures, ``webrtc_MBps`` (tuned, clean),
+``webrtc_stock_MBps``, ``webrtc_loss_MBps``, ``webrtc_stock_loss_MBps``, each
+with a ``*_cpu_s_per_GB``, and ``webrtc_ratio`` / ``webrtc_loss_ratio``
+(median of the per-repeat tuned/stock ratios). Units: 1 MB = 1 MiB = 2**20
+bytes, so ``rpc_MBps`` is MiB/s.
 
-Adding a transport (a WebRTC data channel, say) means writing a server
-coroutine and a :class:`PathClient`, and adding one :class:`BenchPath` to
-:data:`PATHS`; it then shows up as one more row.
+Adding a loopback transport means writing a server coroutine and a
+:class:`PathClient`, and adding one :class:`BenchPath` to :data:`PATHS`; it
+then shows up as one more row.
 """
 
 from __future__ import annotations
@@ -61,9 +76,11 @@ from p2ptrain.node.node import Node
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.testing.natlab import unavailable_reason
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor
 
 if TYPE_CHECKING or __package__:
+    from benchmarks import bench_webrtc
     from benchmarks._common import (
         ServerProcess,
         announce_ready,
@@ -78,6 +95,7 @@ if TYPE_CHECKING or __package__:
         wait_for_stdin_eof,
     )
 else:  # run as a script: python benchmarks/bench_transport.py
+    import bench_webrtc
     from _common import (
         ServerProcess,
         announce_ready,
@@ -631,8 +649,78 @@ async def measure(args: argparse.Namespace, addresses: dict[str, str]) -> dict[s
     return results
 
 
-def report(args: argparse.Namespace, results: dict[str, PathResult]) -> dict[str, Any]:
+# -- the WebRTC data channel ---------------------------------------------------------------
+
+WEBRTC_PATHS = ("clean", "lossy")
+WEBRTC_VARIANTS = ("stock", "tuned")
+
+
+@dataclass
+class WebRTCOutcome:
+    """The WebRTC cells, or why they were not measured."""
+
+    cells: dict[tuple[str, str], bench_webrtc.Cell] = field(default_factory=dict)
+    skipped: str | None = None
+
+
+def measure_webrtc(args: argparse.Namespace) -> WebRTCOutcome:
+    """Stock aiortc and the default ``WebRTCConfig()`` in the NAT lab, clean and lossy."""
+    if not args.webrtc:
+        return WebRTCOutcome(skipped="--no-webrtc")
+    reason = unavailable_reason()
+    if reason is not None:
+        print(
+            f"WebRTC rows skipped: the NAT lab {reason}; TCP rows only", file=sys.stderr, flush=True
+        )
+        return WebRTCOutcome(skipped=reason)
+    cells = bench_webrtc.measure(
+        WEBRTC_PATHS,
+        WEBRTC_VARIANTS,
+        seconds={"clean": args.webrtc_seconds, "lossy": args.webrtc_loss_seconds},
+        repeats={"clean": args.webrtc_repeats, "lossy": args.webrtc_loss_repeats},
+        log=lambda text: _log(args.json_only, text),
+    )
+    return WebRTCOutcome(cells=cells)
+
+
+def _print_all_paths(
+    args: argparse.Namespace, summaries: dict[str, dict[str, Any]], webrtc: WebRTCOutcome
+) -> None:
+    """One table of every path: MiB/s and CPU s/GiB (sender + receiver)."""
+    rows: list[list[object]] = []
+    for key, summ in summaries.items():
+        cpu = summ["send_cpu_s_per_GiB"] + summ["recv_cpu_s_per_GiB"]
+        rows.append([f"tcp loopback: {PATHS[key].label}", summ["MBps"], None, None, cpu])
+    for row in bench_webrtc.table_rows(webrtc.cells):
+        rows.append([row[0], row[1], row[3], row[4], row[5]])
+    print()
+    print("all paths: MiB/s and CPU s/GiB of both processes")
+    if webrtc.skipped is None:
+        print(
+            "WebRTC (NAT lab): medians of "
+            f"{args.webrtc_repeats} interleaved runs of {args.webrtc_seconds:g} s (clean) and "
+            f"{args.webrtc_loss_repeats} of {args.webrtc_loss_seconds:g} s (lossy: 40 ms RTT, "
+            "0.5 % loss); x stock = median of the per-repeat tuned/stock ratios"
+        )
+    print(format_table(["path", "MiB/s", "x stock", "x stock runs", "CPU s/GiB"], rows))
+    if webrtc.skipped is not None:
+        print(f"(WebRTC rows skipped: {webrtc.skipped})")
+        return
+    figures = bench_webrtc.summary(webrtc.cells)
+    for path, name in bench_webrtc.RATIO_NAMES.items():
+        if name in figures:
+            goal = bench_webrtc.GOALS[path]
+            verdict = "meets" if figures[name] >= goal else "misses"
+            print(f"webrtc {path}: tuned/stock {figures[name]:.2f} ({verdict} the {goal:g}x goal)")
+
+
+def report(
+    args: argparse.Namespace,
+    results: dict[str, PathResult],
+    webrtc: WebRTCOutcome | None = None,
+) -> dict[str, Any]:
     """Print the tables (unless ``--json-only``), write the PNG, return the JSON result."""
+    webrtc = webrtc if webrtc is not None else WebRTCOutcome(skipped="not measured")
     summaries = {key: res.summary() for key, res in results.items()}
     base = summaries[BASELINE]
     rpc = summaries["rpc"]
@@ -642,6 +730,7 @@ def report(args: argparse.Namespace, results: dict[str, PathResult]) -> dict[str
         _print_tables(args, results, summaries, loop)
         verdict = "meets" if ratio >= 0.70 else "misses"
         print(f"rpc/raw throughput ratio {ratio:.2f} ({verdict} the 0.70 goal)")
+        _print_all_paths(args, summaries, webrtc)
     if args.png:
         labels = {key: res.path.label for key, res in results.items()}
         plot_bars(
@@ -671,6 +760,8 @@ def report(args: argparse.Namespace, results: dict[str, PathResult]) -> dict[str
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "paths": summaries,
+        **bench_webrtc.summary(webrtc.cells),
+        "webrtc_skipped": webrtc.skipped,
     }
 
 
@@ -758,6 +849,36 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="use uvloop in every process (default: when installed)",
     )
     parser.add_argument("--png", help="also write a bar chart to this PNG file")
+    parser.add_argument(
+        "--webrtc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure the WebRTC data channel in the NAT lab (needs root)",
+    )
+    parser.add_argument(
+        "--webrtc-seconds",
+        type=float,
+        default=bench_webrtc.DEFAULT_SECONDS["clean"],
+        help="seconds per WebRTC run, clean path",
+    )
+    parser.add_argument(
+        "--webrtc-loss-seconds",
+        type=float,
+        default=bench_webrtc.DEFAULT_SECONDS["lossy"],
+        help="seconds per WebRTC run, lossy path",
+    )
+    parser.add_argument(
+        "--webrtc-repeats",
+        type=int,
+        default=bench_webrtc.DEFAULT_REPEATS["clean"],
+        help="WebRTC runs per variant, clean path",
+    )
+    parser.add_argument(
+        "--webrtc-loss-repeats",
+        type=int,
+        default=bench_webrtc.DEFAULT_REPEATS["lossy"],
+        help="WebRTC runs per variant, lossy path",
+    )
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     parser.add_argument(
         "--role", choices=["bench", "server"], default="bench", help=argparse.SUPPRESS
@@ -772,6 +893,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--chunk-kib must be in 1..{MAX_CHUNK_BYTES // 1024}")
     if args.rtt_calls < 1 or args.rtt_warmup < 0 or args.repeats < 1:
         parser.error("--rtt-calls and --repeats must be positive, --rtt-warmup not negative")
+    if min(args.webrtc_repeats, args.webrtc_loss_repeats) < 1 or (
+        min(args.webrtc_seconds, args.webrtc_loss_seconds) <= 0
+    ):
+        parser.error("--webrtc-repeats and the WebRTC durations must be positive")
     if args.uvloop and not uvloop_available():
         parser.error("uvloop is not installed")
     args.zero_copy_decode = None
@@ -791,7 +916,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             server = stack.enter_context(ServerProcess(_server_argv(key, args.uvloop)))
             addresses[key] = server.address
         results = run(measure(args, addresses), use_uvloop=args.uvloop)
-    emit_json(report(args, results))
+    webrtc = measure_webrtc(args)
+    emit_json(report(args, results, webrtc))
     return 0
 
 

@@ -572,6 +572,24 @@ async def test_a_standing_queue_holds_growth_and_makes_loss_congestion() -> None
     await sctp.stop()
 
 
+async def test_default_queue_threshold_tolerates_scheduling_delay() -> None:
+    # A receiver descheduled for 40 ms inflates round trips like a queue would;
+    # the default threshold (60 ms) keeps growing through it, 80 ms holds.
+    for inflation, held in ((0.040, False), (0.080, True)):
+        sctp, _, first = await full_window(SctpTuning())
+        tuner = TUNERS[id(sctp)]
+        tuner._min_rtt = 0.001
+        oldest = sctp._sent_queue[0]
+        assert oldest._sent_time is not None
+        oldest._sent_time -= 0.001 + inflation
+        sctp._partial_bytes_acked = sctp._cwnd - 1
+        cwnd = sctp._cwnd
+        await sctp._receive_chunk(sack(first))
+        assert (sctp._cwnd == cwnd) is held
+        assert (tuner.stats.growth_held == 1) is held
+        await sctp.stop()
+
+
 async def test_rto_bounds_and_backoff() -> None:
     stock, _ = established(None)
     tuned, _ = established(SctpTuning(rto_min=0.2, rto_initial=1.0))

@@ -4,9 +4,8 @@ A reducer aggregates every chunk of its shard separately, from the parts of
 the senders that delivered that chunk, each with its weight ``w_i > 0``.
 
 ``mean`` computes ``Σ w_i·x_i / Σ w_i`` in place in the output buffer as the
-parts arrive (float32; the weights are taken relative to the first one so
-the running sum stays at the scale of the values). One bad sender moves it
-arbitrarily far.
+parts arrive, as a running mean (float32, so it stays at the scale of the
+values and needs no final division). One bad sender moves it arbitrarily far.
 
 The robust rules keep the chunk's parts until it is complete, then combine
 them. Write ``H`` for the honest senders of a chunk, ``x̄_H`` for their
@@ -94,28 +93,29 @@ class ChunkAggregator(abc.ABC):
 
 
 class MeanAggregator(ChunkAggregator):
-    """The weighted mean, accumulated in place as parts arrive.
+    """The weighted mean, kept as a running mean in place as parts arrive.
 
-    The first part is only remembered; the second is added to it straight
-    into ``out`` (one pass instead of a copy and an add).
+    Each part moves the mean towards itself by its share of the weight so far
+    (``lerp``), so the result needs no final division: one pass over the chunk
+    per part. The first part is only remembered; the second is combined with
+    it straight into ``out`` (no copy).
     """
 
     def __init__(self, out: torch.Tensor) -> None:
         super().__init__(out)
-        self._reference = 0.0
         self._first: torch.Tensor | None = None
 
     def add(self, values: torch.Tensor, weight: float) -> None:
-        if self.count == 0:
-            self._first = values
-            self._reference = weight
-        elif self._first is not None:
-            torch.add(self._first, values, alpha=weight / self._reference, out=self.out)
-            self._first = None
-        else:
-            self.out.add_(values, alpha=weight / self._reference)
         self.total_weight += weight
         self.count += 1
+        share = weight / self.total_weight
+        if self.count == 1:
+            self._first = values
+        elif self._first is not None:
+            torch.lerp(self._first, values, share, out=self.out)
+            self._first = None
+        else:
+            self.out.lerp_(values, share)
 
     def finish(self) -> bool:
         if self.count == 0:
@@ -123,10 +123,6 @@ class MeanAggregator(ChunkAggregator):
         if self._first is not None:  # a single part: the mean is the part itself
             self.out.copy_(self._first)
             self._first = None
-            return True
-        scale = self.total_weight / self._reference
-        if scale != 1.0:
-            self.out.div_(scale)
         return True
 
 

@@ -16,8 +16,12 @@ sending back overlap:
   chunk back on every sender's stream.
 
 Parts are sent as zero-copy views of the flat input (codec ``none``); the
-reducer accumulates in place in the output vector; results are decoded from
-the receive buffers and copied once into the output.
+reducer accumulates in place in the output vector. Results in codec ``none``
+are received straight into their place in the output vector (see
+:meth:`~p2ptrain.rpc.stream.RPCStream.receive_payloads_into`; transports that
+cannot do that deliver them in a buffer, copied once). Should a round end
+while such a payload may still be arriving, the caller gets a copy of the
+output instead, so that nothing writes into the vector it holds.
 
 Faults: a stream that fails excludes that sender from the chunks it had not
 delivered (at the reducer) or leaves the chunks of that reducer that had not
@@ -37,6 +41,7 @@ from typing import Any
 import torch
 
 from p2ptrain.allreduce.aggregation import all_finite
+from p2ptrain.allreduce.compression import KEY_CODEC, NoneCodec
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.group import GroupPlan
 from p2ptrain.allreduce.protocol import (
@@ -67,6 +72,7 @@ from p2ptrain.errors import (
 from p2ptrain.identity import PeerID
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.wire.buffers import default_pool
 
 __all__ = ["ButterflyRound", "RoundObserver"]
 
@@ -132,7 +138,11 @@ class ButterflyRound:
         self.weight = weight
         self.config = config
         self.observer = observer or RoundObserver()
+        # The output and (flattened) input of this size come back every round:
+        # let the pool keep them, not free and fault them in again.
+        default_pool.reserve(8 * plan.num_elements)
         self.out = pooled_vector(plan.num_elements)
+        self._out_bytes = self.out.numpy().data.cast("B")
         self._hello = Hello(plan.round_id, plan.digest, weight, config.codec, config.block_size)
         start, stop = plan.part(index)
         self.reducer: ShardReducer | None = None
@@ -151,6 +161,10 @@ class ButterflyRound:
         self._received: dict[int, list[tuple[int, ...] | None]] = {
             j: [None] * len(plan.chunks(j)) for j in plan.reducers() if j != index
         }
+        # Per reducer: results read so far, and one past the last chunk whose
+        # payload was received straight into the output.
+        self._results_read = dict.fromkeys(self._received, 0)
+        self._claimed_upto = dict.fromkeys(self._received, 0)
         self._excluded: dict[int, dict[int, str]] = {j: {} for j in plan.reducers()}
         self._errors: dict[int, str] = {}
         self._failed: dict[int, str] = {}
@@ -167,6 +181,11 @@ class ButterflyRound:
         self._shard_done_at = self._start
         self._send_span: list[float] = []
         self._recv_span: list[float] = []
+        # Download time, measured where the bytes arrive: while any payload is
+        # arriving (its header is in) or arrived and not read yet.
+        self._arriving = 0
+        self._arriving_since = 0.0
+        self._download_s = 0.0
         self.bytes_sent = 0
         self.bytes_received = 0
         if self.reducer is not None and self.reducer.done:
@@ -190,6 +209,10 @@ class ButterflyRound:
             if any(c is None for c in received):
                 self._fail_reducer(j, "round_timeout passed before every average arrived")
         end = self._loop.time()
+        if any(self._claimed_upto[j] > self._results_read[j] for j in self._received):
+            # A result may still be landing in the output: hand out a copy.
+            out, self.out = self.out, pooled_vector(self.plan.num_elements)
+            self.out.copy_(out)
         self._keep_local_where_missing()
         return self.out, self._report(end)
 
@@ -207,6 +230,7 @@ class ButterflyRound:
         try:
             chunks = self.plan.chunks(j)
             sends = self.weight > 0 and bool(chunks)
+            stream.receive_payloads_into(functools.partial(self._result_buffer, j))
             await stream.send(self._hello.to_body(), end=not sends)
             async with asyncio.TaskGroup() as tasks:
                 if sends:
@@ -215,19 +239,20 @@ class ButterflyRound:
         except P2PTrainError as exc:
             self._fail_reducer(j, str(exc), exc)
         finally:
+            stream.receive_payloads_into(None)  # no reference cycle keeps the round alive
             await stream.aclose()
 
     async def _send_parts(self, j: int, stream: RPCStream, chunks: list[tuple[int, int]]) -> None:
         codec = codec_for(self.config.codec, self.config.block_size)
         try:
+            last = len(chunks) - 1  # its message also ends our half of the stream
             for k, (lo, hi) in enumerate(chunks):
                 header, payload = codec.encode(self.flat[lo:hi])
                 self._mark(self._send_span)
-                await stream.send(PartHeader(k, header).to_body(), payload)
+                await stream.send(PartHeader(k, header).to_body(), payload, end=k == last)
                 self.bytes_sent += payload.nbytes
                 self._mark(self._send_span)
                 self.observer.part_sent(j, k)
-            await stream.end()
         except P2PTrainError as exc:
             self._fail_reducer(j, f"sending parts failed: {exc}", exc)
             stream.reset("cancelled", "sending failed")
@@ -240,6 +265,8 @@ class ButterflyRound:
         try:
             for k, (lo, hi) in enumerate(chunks):
                 message = await stream.recv()
+                self._results_read[j] = k + 1
+                self._payload_read(message.payload)
                 self._mark(self._recv_span)
                 result = parse_result(
                     message.body, num_chunks=len(chunks), group_size=self.plan.size
@@ -253,7 +280,9 @@ class ButterflyRound:
                 header = result.codec_header
                 if result.contributors and header is not None:
                     target = self.out[lo:hi]
-                    target.copy_(decode_values(header, message.payload, hi - lo))
+                    values = decode_values(header, message.payload, hi - lo)
+                    if values.data_ptr() != target.data_ptr():  # not received in place
+                        target.copy_(values)
                     if not all_finite(target):  # checked where it is hot in cache
                         raise RemoteProtocolError(f"the average of chunk {k} is not finite")
                     self.bytes_received += _nbytes(message.payload)
@@ -267,11 +296,37 @@ class ButterflyRound:
         except P2PTrainError as exc:
             self._fail_reducer(j, str(exc), exc)
 
+    def _result_buffer(self, j: int, body: Any, nbytes: int) -> memoryview | None:
+        """Where reducer ``j``'s next result payload goes: its place in the output.
+
+        Only for codec ``none`` and the exact size, each chunk at most once and
+        never one already read (the body is not validated yet: whatever is
+        wrong with it fails the chunk, and its local values are put back).
+        """
+        self._payload_arriving()
+        if not isinstance(body, dict):
+            return None
+        k, header = body.get("i"), body.get("h")
+        chunks = self.plan.chunks(j)
+        first = max(self._claimed_upto[j], self._results_read[j])
+        if (
+            type(k) is not int
+            or not first <= k < len(chunks)
+            or not isinstance(header, dict)
+            or header.get(KEY_CODEC) != NoneCodec.name
+        ):
+            return None
+        lo, hi = chunks[k]
+        if nbytes != 4 * (hi - lo):
+            return None
+        self._claimed_upto[j] = k + 1
+        return self._out_bytes[4 * lo : 4 * hi]
+
     def _fail_reducer(self, j: int, reason: str, exc: P2PTrainError | None = None) -> None:
         if j not in self._errors:
             self._errors[j] = reason
             self._failed.setdefault(j, reason)
-            logger.info("round %s: reducer %d failed: %s", self.plan.round_id.hex()[:8], j, reason)
+            logger.debug("round %s: reducer %d failed: %s", self.plan.round_id.hex()[:8], j, reason)
         if isinstance(exc, UnavailableError | TransportError):
             # The connection to j is gone: as a sender it is gone too. Stop
             # waiting for it unless its own stream is here (then that
@@ -330,6 +385,7 @@ class ButterflyRound:
             return
         self._serving[sender] = stream
         self._writers += 1
+        stream.receive_payloads_into(self._part_arriving)
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._read_parts(sender, stream, reducer))
@@ -337,6 +393,7 @@ class ButterflyRound:
                 # (which counts it out) runs even when the handler is cancelled.
                 await self._write_results(sender, hello, stream, reducer)
         finally:
+            stream.receive_payloads_into(None)  # no reference cycle keeps the round alive
             # A handler cancelled with its dead connection never reads the error
             # from its stream: stop waiting for the parts it still owed (a no-op
             # when every part arrived).
@@ -354,6 +411,7 @@ class ButterflyRound:
                 self._failed.setdefault(sender, f"stream failed: {exc}")
                 self._publish(reducer.exclude(sender, f"stream failed: {exc}"))
                 return
+            self._payload_read(message.payload)
             try:
                 part = parse_part(message.body, num_chunks=reducer.num_chunks)
                 lo, hi = reducer.bounds[part.chunk]
@@ -372,22 +430,19 @@ class ButterflyRound:
     async def _write_results(
         self, sender: int, hello: Hello, stream: RPCStream, reducer: ShardReducer
     ) -> None:
-        sent = 0
         try:
+            last = reducer.num_chunks - 1  # its message also ends our half of the stream
             for k in range(reducer.num_chunks):
                 await self._wait(functools.partial(_finalized_past, reducer, k))
                 result = reducer.results[k]
                 body, payload = self._encode_result(result, hello)
                 self._mark(self._send_span)
-                await stream.send(body, payload)
-                sent += 1
+                await stream.send(body, payload, end=k == last)
                 self.bytes_sent += _nbytes(payload)
                 self._mark(self._send_span)
                 self.observer.result_sent(sender, k)
-            await stream.end()
         except P2PTrainError as exc:
-            if sent < reducer.num_chunks:  # else it only closed the stream first
-                self._failed.setdefault(sender, f"sending results failed: {exc}")
+            self._failed.setdefault(sender, f"sending results failed: {exc}")
         finally:
             self._writers -= 1
             self._notify()
@@ -438,6 +493,20 @@ class ButterflyRound:
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+
+    def _part_arriving(self, body: object, nbytes: int) -> None:
+        self._payload_arriving()
+
+    def _payload_arriving(self) -> None:
+        if self._arriving == 0:
+            self._arriving_since = self._loop.time()
+        self._arriving += 1
+
+    def _payload_read(self, payload: bytes | bytearray | memoryview) -> None:
+        if self._arriving > 0 and _nbytes(payload) > 0:
+            self._arriving -= 1
+            if self._arriving == 0:
+                self._download_s += self._loop.time() - self._arriving_since
 
     def _mark(self, span: list[float]) -> None:
         now = self._loop.time()
@@ -499,7 +568,7 @@ class ButterflyRound:
             all_gather_s=max(end - reduce_end, 0.0),
             total_s=end - self._start,
             send_s=_span(self._send_span),
-            receive_s=_span(self._recv_span),
+            receive_s=self._download_s or _span(self._recv_span),
             predicted_s=self.plan.predicted_time,
         )
 

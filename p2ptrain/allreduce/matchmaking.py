@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from p2ptrain.allreduce.group import GroupMember, GroupPlan
+from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS, GroupMember, GroupPlan
 from p2ptrain.allreduce.lp import LoadBalancer
 from p2ptrain.allreduce.partition import PeerCapacity
 from p2ptrain.dht.api import DHT, DictionaryValue
@@ -91,7 +91,7 @@ class MatchmakingConfig:
     plan_timeout: float = 10.0
     reduce_timeout: float = 30.0
     round_timeout: float = 60.0
-    chunk_elements: int = 256 * 1024
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_group_size <= self.target_group_size:
@@ -298,9 +298,9 @@ class Matchmaker:
         plan: GroupPlan | None = None
         if len(members) >= self.config.min_group_size:
             plan = self._plan(members, vector_bytes, num_elements, target_batch_size)
-            logger.info("leading a group of %d for %s", len(members), key)
+            logger.debug("leading a group of %d for %s", len(members), key)
         else:
-            logger.info("too few live peers for %s (%d)", key, len(members))
+            logger.debug("too few live peers for %s (%d)", key, len(members))
         body = None if plan is None else plan_to_wire(plan)
         await asyncio.gather(
             *(self._send_plan(c, key, body) for c in members if c.peer_id != me),

@@ -84,7 +84,11 @@ class AllReduceReport:
             sent (the phases overlap, so this is the tail after the first).
         total_s: Seconds the call took.
         send_s: Seconds from the first to the last payload this member sent.
-        receive_s: Seconds from the first to the last payload it received.
+        receive_s: Seconds during which a payload was arriving at this member:
+            from the first bytes of a payload to its reading, with overlapping
+            payloads counted once (on transports that do not report the first
+            bytes: from the first to the last payload read). ``bytes_received``
+            over it is the download rate achieved while receiving.
         predicted_s: The plan's predicted round time, if any.
     """
 

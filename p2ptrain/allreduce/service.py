@@ -26,6 +26,7 @@ import torch
 from p2ptrain.allreduce.butterfly import ButterflyRound, RoundObserver
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.group import GroupPlan
+from p2ptrain.allreduce.probe import PROBE_METHOD, serve_probes
 from p2ptrain.allreduce.protocol import METHOD, Hello
 from p2ptrain.allreduce.report import AllReduceReport
 from p2ptrain.allreduce.vector import flatten, unflatten
@@ -58,6 +59,8 @@ class _Waiting:
 
 class AllReduceService:
     """Serves the all-reduce RPC of one node and runs its rounds.
+
+    It also answers bandwidth probes (:mod:`p2ptrain.allreduce.probe`).
 
     Args:
         node: The node; the service registers its handler right away.
@@ -98,6 +101,7 @@ class AllReduceService:
         self._finished: OrderedDict[bytes, None] = OrderedDict()
         self._lost: OrderedDict[bytes, dict[PeerID, str]] = OrderedDict()
         node.handlers.add_stream(METHOD, self._serve)
+        serve_probes(node)
         self._attached[node] = self
 
     @classmethod
@@ -112,6 +116,7 @@ class AllReduceService:
     def close(self) -> None:
         """Stop serving the all-reduce method (running rounds are not interrupted)."""
         self.node.handlers.remove(METHOD)
+        self.node.handlers.remove(PROBE_METHOD)
         if self._attached.get(self.node) is self:
             del self._attached[self.node]
 

@@ -100,6 +100,7 @@ class Connection:
         self.going_away = False
         self._close_callbacks: list[Callable[[Connection], None]] = []
         transport.set_receiver(self)
+        transport.set_payload_allocator(self._payload_buffer)
         self._maintenance = self._loop.create_task(self._maintain(), name="conn-maintenance")
 
     def __repr__(self) -> str:
@@ -319,6 +320,13 @@ class Connection:
                 else "invalid_argument"
             )
             stream.reset(code, str(exc))
+
+    def _payload_buffer(self, frame: Frame, nbytes: int) -> memoryview | None:
+        """Where the transport receives a DATA payload: wherever its stream asks."""
+        if frame.type is not FrameType.DATA:
+            return None
+        stream = self._streams.get(frame.stream_id)
+        return None if stream is None else stream._payload_buffer(frame.field("b"), nbytes)
 
     def _remote_stream_count(self) -> int:
         return sum(1 for sid in self._streams if sid % 2 == self._remote_parity)

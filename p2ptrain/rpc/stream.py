@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from p2ptrain.errors import (
@@ -32,7 +32,11 @@ from p2ptrain.wire.frames import FLAG_END, Buffer, Frame, FrameType
 if TYPE_CHECKING:
     from p2ptrain.rpc.connection import Connection
 
-__all__ = ["FlowControlError", "RPCStream"]
+__all__ = ["FlowControlError", "PayloadTarget", "RPCStream"]
+
+PayloadTarget = Callable[[Any, int], memoryview | None]
+"""``(body, nbytes)`` → the buffer a message's payload goes to, or None (see
+:meth:`RPCStream.receive_payloads_into`)."""
 
 
 class FlowControlError(RemoteProtocolError):
@@ -75,12 +79,18 @@ class RPCStream:
         self._remote_ended = False
         self._local_ended = False
         self._error: P2PTrainError | None = None
+        self._payload_target: PayloadTarget | None = None
         self.handler_task: asyncio.Task[None] | None = None
         self.handler_started = False
         self.opened = False
         """Whether the remote knows of this stream (its OPEN was sent or received)."""
 
     # -- public API --------------------------------------------------------------------
+
+    @property
+    def connection(self) -> Connection:
+        """The connection this stream runs on (e.g. to call the caller back over it)."""
+        return self._conn
 
     @property
     def finished(self) -> bool:
@@ -137,6 +147,22 @@ class RPCStream:
             self._give_credit()
         return message
 
+    def receive_payloads_into(self, target: PayloadTarget | None) -> None:
+        """Let ``target`` pick where the payloads of later messages are received.
+
+        ``target(body, nbytes)`` runs when a message's body has arrived and
+        its payload of ``nbytes`` has not. A writable byte buffer of exactly
+        ``nbytes`` that it returns receives the payload straight from the
+        socket, and the message's payload is then that buffer; None (or
+        anything else) leaves the payload to a fresh buffer. The body is
+        untrusted and not yet validated; ``target`` must be quick and must
+        not raise. Transports that cannot do this (e.g. WebRTC) never call it.
+
+        A buffer handed out may be written to until its message is received
+        or the stream finishes; None stops further calls.
+        """
+        self._payload_target = target
+
     def __aiter__(self) -> AsyncIterator[Message]:
         return self._iterate()
 
@@ -166,6 +192,12 @@ class RPCStream:
         await self.aclose()
 
     # -- called by the connection ------------------------------------------------------
+
+    def _payload_buffer(self, body: Any, nbytes: int) -> memoryview | None:
+        target = self._payload_target
+        if target is None or self._error is not None or self._remote_ended:
+            return None
+        return target(body, nbytes)
 
     def _on_message(self, message: Message, size: int) -> None:
         if self._remote_ended:
@@ -206,6 +238,7 @@ class RPCStream:
 
     def _fail(self, error: P2PTrainError) -> None:
         self._error = error
+        self._payload_target = None
         _wake(self._recv_waiter)
         _wake(self._credit_waiter)
         self._conn._maybe_forget(self)

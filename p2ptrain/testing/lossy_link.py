@@ -42,6 +42,7 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from p2ptrain.errors import ConfigError
 
@@ -269,6 +270,22 @@ async def _serve(fd: int, config: LinkConfig, tun: str) -> LinkStats:
     return await run_link(fd, config, stop)
 
 
+def _raise_priority(nice: int) -> None:
+    """Apply ``nice`` so that it counts against other sessions' processes too.
+
+    With autogroup scheduling (``kernel.sched_autogroup_enabled``) CPU is
+    shared fairly between sessions and a process's nice value only weighs
+    within its own session. So the shim leaves its parent's session and sets
+    the niceness of its new, one-process autogroup as well.
+    """
+    with contextlib.suppress(OSError):  # not possible when already a group leader
+        os.setsid()
+    with contextlib.suppress(OSError):  # lowering niceness needs root
+        os.nice(nice)
+    with contextlib.suppress(OSError):  # no autogroup support, or not root
+        Path("/proc/self/autogroup").write_text(f"{nice}\n")
+
+
 def _precise_loop() -> asyncio.AbstractEventLoop:
     # select(2) takes a timeout in microseconds; epoll (asyncio's default) and
     # libuv (uvloop) round to milliseconds, which would add ~0.5 ms of delay
@@ -288,8 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 2
     if args.nice:
-        with contextlib.suppress(OSError):  # lowering niceness needs root
-            os.nice(args.nice)
+        _raise_priority(args.nice)
     try:
         with asyncio.Runner(loop_factory=_precise_loop) as runner:
             stats = runner.run(_serve(fd, config, args.tun))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from p2ptrain.errors import ConnectionClosedError, LocalProtocolError, P2PTrainError
-from p2ptrain.wire.frames import Buffer, Frame, buffer_nbytes, encode_frame
+from p2ptrain.wire.frames import Buffer, Frame, PayloadAllocator, buffer_nbytes, encode_frame
 
 __all__ = ["FrameReceiver", "FrameTransport", "TransportStats"]
 
@@ -66,6 +66,7 @@ class FrameTransport(abc.ABC):
         self._close_exc: P2PTrainError | None = None
         self._closed = False
         self._closed_event = asyncio.Event()
+        self.payload_allocator: PayloadAllocator | None = None
 
     # -- sending (implemented by subclasses) -------------------------------------------
 
@@ -120,6 +121,14 @@ class FrameTransport(abc.ABC):
             receiver.frame_received(self._early.popleft())
         if self._closed:
             receiver.transport_lost(self._close_exc)
+
+    def set_payload_allocator(self, allocator: PayloadAllocator | None) -> None:
+        """Let ``allocator`` choose where received payloads land (None: fresh buffers).
+
+        Only an optimization (a receiver can skip copying a payload into its
+        final place): transports that cannot honour it only remember it.
+        """
+        self.payload_allocator = allocator
 
     def _deliver(self, frame: Frame) -> None:
         self.stats.frames_received += 1

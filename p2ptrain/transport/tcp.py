@@ -25,7 +25,7 @@ from p2ptrain.errors import (
     TransportTimeoutError,
 )
 from p2ptrain.transport.base import FrameTransport
-from p2ptrain.wire.frames import Frame, FrameDecoder
+from p2ptrain.wire.frames import Frame, FrameDecoder, PayloadAllocator
 
 __all__ = ["TCPListener", "TCPTransport", "tcp_connect", "tcp_listen"]
 
@@ -115,6 +115,10 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         self._can_write.set()
 
     # -- FrameTransport ----------------------------------------------------------------
+
+    def set_payload_allocator(self, allocator: PayloadAllocator | None) -> None:
+        super().set_payload_allocator(allocator)
+        self._decoder.payload_allocator = allocator
 
     @property
     def remote_address(self) -> str:

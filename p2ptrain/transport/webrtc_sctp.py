@@ -122,7 +122,11 @@ class SctpTuning:
             seen means a standing queue: cwnd stops growing (more window would
             only add delay, and aiortc's per-SACK work grows with it), and a
             loss then counts as congestion. None: grow until loss, and treat
-            every loss as noise.
+            every loss as noise. It must exceed the delays CPU scheduling adds
+            on a busy host (a receiver descheduled for tens of ms looks like a
+            queue): at 20 ms, the clean lab path on a loaded 2-core machine
+            held cwnd too small to bridge those gaps and lost half its
+            throughput.
         single_fast_retransmit: Fast-retransmit a TSN again only after a TSN
             sent later was reported (off: aiortc's repeated retransmits).
         sack_every: Data packets per SACK at most (1: aiortc's, every packet);
@@ -138,7 +142,7 @@ class SctpTuning:
     rto_initial: float = 1.0
     flows: int = 8
     max_cwnd: int = 4 << 20
-    max_queue_delay: float | None = 0.02
+    max_queue_delay: float | None = 0.06
     single_fast_retransmit: bool = True
     sack_every: int = 4
     fast_reassembly: bool = True

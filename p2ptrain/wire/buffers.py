@@ -60,6 +60,16 @@ class BufferPool:
             self._idle.setdefault(size_class, []).append(base)
             self._idle_bytes += base.nbytes
 
+    def reserve(self, nbytes: int) -> None:
+        """Keep at least ``nbytes`` of freed buffers from now on (never lowers the cap).
+
+        A caller that cycles through buffers of ``nbytes`` in total (e.g. one
+        all-reduce round of a large vector) calls this so that they are
+        reused instead of freed and allocated again every time.
+        """
+        with self._lock:
+            self.max_idle_bytes = max(self.max_idle_bytes, nbytes)
+
     @property
     def idle_bytes(self) -> int:
         """Bytes held for reuse right now."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,7 @@ __all__ = [
     "Frame",
     "FrameDecoder",
     "FrameType",
+    "PayloadAllocator",
     "buffer_nbytes",
     "encode_frame",
     "pack_body",
@@ -58,6 +59,11 @@ __all__ = [
 ]
 
 Buffer = bytes | bytearray | memoryview
+PayloadAllocator = Callable[["Frame", int], memoryview | None]
+"""``(frame, nbytes)`` → where the payload of ``frame`` (fields parsed, payload not
+yet received) goes: a writable byte buffer of exactly ``nbytes``, or None for a
+fresh buffer. It runs while bytes are being decoded, so it must be quick and
+must not raise. Lets a receiver land a payload straight in its final place."""
 
 PREFIX = struct.Struct(">II")
 _MAX_STREAM_ID = 2**32 - 1
@@ -209,6 +215,8 @@ class FrameDecoder:
         self._filled = 0
         self._failed: RemoteProtocolError | None = None
         self.bytes_received = 0
+        self.payload_allocator: PayloadAllocator | None = None
+        """Picks the buffer a frame's payload is received into (see :data:`PayloadAllocator`)."""
 
     @property
     def buffered_bytes(self) -> int:
@@ -272,8 +280,23 @@ class FrameDecoder:
             self._frames.append(frame)
             return
         self._partial = frame
-        self._payload = _allocate(payload_len)
+        self._payload = self._payload_buffer(frame, payload_len)
         self._filled = 0
+
+    def _payload_buffer(self, frame: Frame, nbytes: int) -> memoryview:
+        allocator = self.payload_allocator
+        if allocator is not None:
+            buffer = allocator(frame, nbytes)
+            # Only a writable, flat byte buffer of exactly the payload's size is used.
+            if (
+                buffer is not None
+                and not buffer.readonly
+                and buffer.format == "B"
+                and buffer.contiguous
+                and buffer.nbytes == nbytes
+            ):
+                return buffer
+        return _allocate(nbytes)
 
     def _check_prefix(self, length: int, hlen: int) -> None:
         if length + 4 > self.max_frame_bytes:
