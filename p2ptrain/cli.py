@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import ipaddress
 import logging
+import math
 import os
 import runpy
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from p2ptrain import __version__
 from p2ptrain.aio import run
@@ -23,6 +27,9 @@ from p2ptrain.handshake import AdmissionPolicy
 from p2ptrain.identity import Identity
 from p2ptrain.node.config import NodeConfig
 
+if TYPE_CHECKING:
+    from p2ptrain.nat.config import NATConfig, RelayLimits
+
 __all__ = ["main"]
 
 BENCHMARKS = ("transport", "dht", "allreduce", "lp", "training", "webrtc")
@@ -30,7 +37,7 @@ _EXAMPLES = """examples:
   p2ptrain demo                                   # a local swarm on this machine
   p2ptrain train --join PEERID@203.0.113.7:4001 --seconds 600
   p2ptrain status --join PEERID@203.0.113.7:4001
-  p2ptrain bootstrap --host 0.0.0.0 --port 4001 --announce-host 203.0.113.7
+  p2ptrain bootstrap --host 0.0.0.0 --port 4001 --announce-host 203.0.113.7 --relay
   p2ptrain bench transport --megabytes 64
 """
 
@@ -104,15 +111,20 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bootstrap = commands.add_parser(
         "bootstrap",
-        help="run a public peer others join through (a standing DHT node)",
+        help="run a public peer others join through (DHT, STUN, rendezvous, relay)",
         description=(
-            "Run a standing DHT peer and print the address others pass with --join. "
-            "Keep its identity in a file so the address survives restarts."
+            "Run a public peer on a host others can dial: a standing DHT node, a STUN "
+            "responder (UDP), the rendezvous point NATed peers register with and, with "
+            "--relay, a bounded relay for peers behind symmetric NATs. Prints the address "
+            "others pass with --join and the STUN port. Keep its identity in a file so "
+            "the address survives restarts. See docs/nat-traversal.md."
         ),
         epilog=(
             "example: p2ptrain bootstrap --host 0.0.0.0 --port 4001 "
-            "--announce-host 203.0.113.7 --identity boot.key"
+            "--announce-host 203.0.113.7 --identity boot.key --relay --relay-mbit 50\n"
+            "(open TCP and UDP 4001 in the firewall; --stun-port moves the UDP one)"
         ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_node_flags(bootstrap, default_port=4001)
     bootstrap.add_argument(
@@ -122,6 +134,29 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="another bootstrap peer to connect to (repeatable)",
     )
+    nat = bootstrap.add_argument_group("NAT traversal")
+    nat.add_argument(
+        "--stun-port", type=int, help="UDP port of the STUN responder (default: same as --port)"
+    )
+    nat.add_argument(
+        "--no-rendezvous",
+        action="store_true",
+        help="do not forward signaling for NATed peers (they then need other public peers)",
+    )
+    nat.add_argument(
+        "--relay",
+        action="store_true",
+        help="forward traffic for peers no other path reaches (opt-in; bounded below)",
+    )
+    nat.add_argument(
+        "--relay-mbit",
+        type=float,
+        help="Mbit/s relayed in all, both directions together (default 268)",
+    )
+    nat.add_argument(
+        "--relay-pair-mbit", type=float, help="Mbit/s one relayed pair may use (default 67)"
+    )
+    nat.add_argument("--relay-circuits", type=int, help="relayed pairs at once (default 64)")
 
     train = commands.add_parser(
         "train",
@@ -153,6 +188,30 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--log-json", metavar="PATH", help="append JSON event lines to PATH ('-': stdout)"
+    )
+    nat_train = train.add_argument_group("NAT traversal")
+    nat_train.add_argument(
+        "--nat",
+        choices=("auto", "public", "private", "off"),
+        help=(
+            "auto: find out with dial-backs and STUN whether others can dial you; "
+            "public/private: say so; off: plain TCP only. Default: off when --host is "
+            "a loopback address, else auto"
+        ),
+    )
+    nat_train.add_argument(
+        "--stun",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="an extra STUN server (repeatable); the swarm's public peers answer STUN anyway",
+    )
+    nat_train.add_argument(
+        "--turn",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a TURN server, turn:USER:PASSWORD@HOST:PORT (repeatable), for symmetric NATs",
     )
 
     status = commands.add_parser(
@@ -205,6 +264,72 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         swarm=args.swarm,
         admission=AdmissionPolicy(secret=_read_secret(args.secret_file)),
     )
+
+
+_MBIT = 1e6 / 8
+
+
+def _relay_limits(args: argparse.Namespace) -> RelayLimits:
+    from p2ptrain.nat.config import RelayLimits  # noqa: PLC0415 - aiortc is slow
+
+    limits = RelayLimits()
+    if args.relay_mbit is not None:
+        rate = _positive_flag("--relay-mbit", args.relay_mbit) * _MBIT
+        limits = dataclasses.replace(limits, total_bytes_per_s=rate)
+    if args.relay_pair_mbit is not None:
+        rate = _positive_flag("--relay-pair-mbit", args.relay_pair_mbit) * _MBIT
+        limits = dataclasses.replace(limits, pair_bytes_per_s=rate)
+    if args.relay_circuits is not None:
+        limits = dataclasses.replace(limits, max_circuits=args.relay_circuits)
+    return limits
+
+
+def _positive_flag(flag: str, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag} must be a positive number, got {value}")
+    return value
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _train_nat_config(args: argparse.Namespace) -> NATConfig | None:
+    """``--nat``, ``--stun``, ``--turn`` as a NATConfig, or None for plain TCP."""
+    mode = args.nat or ("off" if _is_loopback(args.host) else "auto")
+    if mode == "off":
+        if args.stun or args.turn:
+            raise ConfigError("--stun and --turn need NAT traversal (--nat auto|public|private)")
+        return None
+    from p2ptrain.nat.config import NATConfig, ice_server_from_url  # noqa: PLC0415
+    from p2ptrain.transport.webrtc_config import WebRTCConfig  # noqa: PLC0415
+
+    if mode == "public" and _unspecified(args.announce_host or args.host):
+        raise ConfigError("--nat public on 0.0.0.0 needs --announce-host (your public address)")
+    stun = [text.removeprefix("stun:") for text in args.stun]
+    servers = [ice_server_from_url(f"stun:{text}") for text in stun]
+    for url in args.turn:
+        if not url.startswith(("turn:", "turns:")):
+            raise ConfigError(f"--turn takes turn:USER:PASSWORD@HOST:PORT, got {url!r}")
+        servers.append(ice_server_from_url(url))
+    public = {"auto": None, "public": True, "private": False}[mode]
+    return NATConfig(
+        public=public,
+        stun_servers=tuple(stun),
+        webrtc=WebRTCConfig(connect_timeout=10.0, ice_servers=tuple(servers)),
+    )
+
+
+def _unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def _identity(args: argparse.Namespace) -> Identity | None:
@@ -263,6 +388,7 @@ def _run_train(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         node=_node_config(args),
         identity_path=args.identity,
+        nat=_train_nat_config(args),
     )
     with contextlib.ExitStack() as stack:
         log = None
@@ -305,17 +431,37 @@ def _run_status(args: argparse.Namespace) -> int:
 
 def _run_bootstrap(args: argparse.Namespace) -> int:
     from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
-    from p2ptrain.dht.standing import run_standing_dht_node  # noqa: PLC0415
+    from p2ptrain.nat.bootstrap import BootstrapInfo, run_bootstrap_peer  # noqa: PLC0415
+    from p2ptrain.nat.config import NATConfig  # noqa: PLC0415
 
+    relay_flags = (args.relay_mbit, args.relay_pair_mbit, args.relay_circuits)
+    if not args.relay and any(flag is not None for flag in relay_flags):
+        raise ConfigError("--relay-mbit, --relay-pair-mbit and --relay-circuits need --relay")
+    nat_config = NATConfig(
+        public=True,
+        stun_port=args.stun_port,
+        serve_rendezvous=not args.no_rendezvous,
+        relay=args.relay,
+        relay_limits=_relay_limits(args),
+    )
     dht_config = DHTNodeConfig(initial_peers=tuple(args.join))
 
-    def announce(address: str) -> None:
-        print(f"bootstrap peer ready; others join with:\n  --join {address}", flush=True)
+    def announce(info: BootstrapInfo) -> None:
+        print(f"bootstrap peer ready; others join with:\n  --join {info.address}", flush=True)
+        print(
+            f"  STUN udp/{info.stun_port}, rendezvous {'on' if info.rendezvous else 'off'}, "
+            f"relay {'on' if info.relay else 'off'}",
+            flush=True,
+        )
 
     try:
         run(
-            run_standing_dht_node(
-                _node_config(args), dht_config, identity=_identity(args), announce=announce
+            run_bootstrap_peer(
+                _node_config(args),
+                dht_config,
+                nat_config,
+                identity=_identity(args),
+                announce=announce,
             )
         )
     except KeyboardInterrupt:
@@ -339,6 +485,40 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ConsoleHandler(logging.StreamHandler[TextIO]):
+    """Log lines on stderr; on a terminal each first clears the progress line drawn in place."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.stream.isatty():
+            self.stream.write("\r\x1b[K")
+        super().emit(record)
+
+
+def _setup_logging(command: str, *, verbose: bool) -> None:
+    """Log to stderr: debug with ``-v``, else warnings, and ``train``'s notable events.
+
+    ``p2ptrain train`` shows one INFO line per notable event (joined, found a
+    group, averaged, peer dropped, state downloaded, global step); the node's
+    own INFO line is left out since "joined as" says it. Nothing is changed
+    when the root logger already has handlers (an embedding program, pytest).
+    """
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = _ConsoleHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s: %(message)s",
+            datefmt=None if verbose else "%H:%M:%S",
+        )
+    )
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    if command == "train" and not verbose:
+        logging.getLogger("p2ptrain").setLevel(logging.INFO)
+        logging.getLogger("p2ptrain.node").setLevel(logging.WARNING)
+
+
 _COMMANDS = {
     "demo": _run_demo,
     "bootstrap": _run_bootstrap,
@@ -351,10 +531,7 @@ _COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``p2ptrain`` command."""
     args = _build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _setup_logging(args.command, verbose=args.verbose)
     try:
         return _COMMANDS[args.command](args)
     except P2PTrainError as exc:

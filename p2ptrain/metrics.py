@@ -5,15 +5,20 @@ up (bytes sent, rounds, RPC failures), gauges are set (samples/s, peers
 online), timings keep a count, a sum and the recent values for quantiles
 (all-reduce seconds, achieved versus predicted). Collectors are callbacks run
 at snapshot time, for figures that live elsewhere (a transport's byte
-counters). :class:`MetricsServer` serves ``GET /metrics`` in the Prometheus
-text format on a local port; :class:`JsonLinesWriter` appends snapshots to a
-file.
+counters): :func:`node_collector` (connections and bytes per path),
+:func:`dht_collector` (DHT requests) and :func:`allreduce_collector`
+(averaging rounds). :class:`MetricsServer` serves ``GET /metrics`` in the
+Prometheus text format on a local port; :class:`JsonLinesWriter` appends
+snapshots to a file. Both read :meth:`Metrics.samples`, so they always agree.
+:data:`HELP` describes every metric the package records (``docs/observability.md``
+lists them too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -23,16 +28,72 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from p2ptrain.errors import ConfigError
 
-__all__ = ["JsonLinesWriter", "Metrics", "MetricsServer", "Sample", "node_collector"]
+if TYPE_CHECKING:
+    from p2ptrain.dht.node import DHTNode
+    from p2ptrain.train.round_stats import RoundStats
+
+__all__ = [
+    "HELP",
+    "JsonLinesWriter",
+    "Metrics",
+    "MetricsServer",
+    "Sample",
+    "allreduce_collector",
+    "dht_collector",
+    "node_collector",
+]
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 Labels = tuple[tuple[str, str], ...]
+
+HELP: dict[str, str] = {
+    # node_collector
+    "p2ptrain_connections_open": "Connections open now.",
+    "p2ptrain_path_bytes_sent": "Bytes sent on the connections open now, by transport path.",
+    "p2ptrain_path_bytes_received": "Bytes received on the connections open now, by path.",
+    # dht_collector
+    "p2ptrain_dht_requests_total": "DHT requests sent, by method.",
+    "p2ptrain_dht_request_failures_total": "DHT requests that failed, by method and reason.",
+    "p2ptrain_dht_response_seconds": "Latency of the DHT requests answered, by method.",
+    "p2ptrain_dht_requests_served_total": "DHT requests received from other peers, by method.",
+    "p2ptrain_dht_peers_known": "Peers in the DHT routing table.",
+    "p2ptrain_dht_records_held": "DHT records this peer stores for the swarm.",
+    # allreduce_collector
+    "p2ptrain_allreduce_rounds_total": "All-reduce rounds run, by result.",
+    "p2ptrain_allreduce_failures_total": "Steps averaged locally after an error, by stage.",
+    "p2ptrain_allreduce_seconds": "Achieved all-reduce seconds.",
+    "p2ptrain_allreduce_predicted_seconds": "Load-balancer predicted seconds of the rounds.",
+    "p2ptrain_allreduce_last_seconds": "Achieved seconds of the latest round.",
+    "p2ptrain_allreduce_last_predicted_seconds": "Predicted seconds of the latest round.",
+    "p2ptrain_allreduce_last_group_size": "Group size of the latest round.",
+    "p2ptrain_allreduce_members_total": "Group sizes summed over the rounds.",
+    "p2ptrain_allreduce_bytes_sent_total": "Tensor bytes sent by all-reduce rounds.",
+    "p2ptrain_allreduce_bytes_received_total": "Tensor bytes received by all-reduce rounds.",
+    "p2ptrain_allreduce_peers_dropped_total": "Group members reported failed or excluded.",
+    # recorded by the trainer (p2ptrain.train.collaboration)
+    "train_samples_total": "Samples this peer computed.",
+    "train_samples_per_s": "This peer's recent samples per second.",
+    "train_rounds_total": "Steps averaged, in a group or locally.",
+    "train_allreduce_bytes_sent_total": "Tensor bytes the trainer's averaging sent.",
+    "train_allreduce_bytes_received_total": "Tensor bytes the trainer's averaging received.",
+    "train_matchmaking_seconds": "Seconds from the start of matchmaking to a group plan.",
+    "train_allreduce_seconds": "Seconds of the trainer's all-reduce calls.",
+    "train_wait_seconds": "Seconds blocked waiting for the swarm.",
+    "train_state_downloads_total": "States downloaded from other peers.",
+    "train_state_download_seconds": "Seconds state downloads took.",
+    "train_global_step": "This peer's global step.",
+    "train_swarm_global_step": "The swarm's global step as last read.",
+    "train_swarm_samples_per_s": "The swarm's samples per second as last read.",
+    "train_peers_online": "Peers of the run online as last read.",
+}
+"""One line of help per metric family, shown as ``# HELP`` in the Prometheus text."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +122,12 @@ class _Timing:
 def _key(name: str, labels: Mapping[str, str] | None) -> tuple[str, Labels]:
     if not _NAME.match(name):
         raise ConfigError(f"bad metric name {name!r}")
-    return name, tuple(sorted((labels or {}).items()))
+    if not labels:
+        return name, ()
+    for label in labels:
+        if not _LABEL.match(label) or label.startswith("__"):
+            raise ConfigError(f"bad label name {label!r}")
+    return name, tuple(sorted(labels.items()))
 
 
 class Metrics:
@@ -72,6 +138,7 @@ class Metrics:
         self._gauges: dict[tuple[str, Labels], float] = {}
         self._timings: dict[tuple[str, Labels], _Timing] = {}
         self._collectors: list[Callable[[], Iterable[Sample]]] = []
+        self._help: dict[str, str] = dict(HELP)
 
     def inc(self, name: str, amount: float = 1.0, labels: Mapping[str, str] | None = None) -> None:
         """Add ``amount`` (>= 0) to a counter."""
@@ -92,18 +159,31 @@ class Metrics:
         timing.recent.append(seconds)
 
     def add_collector(self, collector: Callable[[], Iterable[Sample]]) -> None:
-        """Run ``collector`` at every snapshot and include its samples."""
+        """Run ``collector`` at every snapshot and include its samples.
+
+        Collectors reporting the same series (several peers sharing one
+        registry) are merged: counters add up, gauges keep the last value.
+        """
         self._collectors.append(collector)
+
+    def describe(self, family: str, text: str) -> None:
+        """Set the ``# HELP`` text of a metric family (see :data:`HELP`)."""
+        _key(family, None)
+        self._help[family] = text
 
     def counter(self, name: str, labels: Mapping[str, str] | None = None) -> float:
         """The current value of a counter (0 if never incremented)."""
         return self._counters.get(_key(name, labels), 0.0)
 
     def samples(self) -> list[Sample]:
-        """Every current value, collectors included."""
-        out = [Sample(n, v, dict(lb), "counter") for (n, lb), v in self._counters.items()]
-        out += [Sample(n, v, dict(lb), "gauge") for (n, lb), v in self._gauges.items()]
-        for (name, labels), timing in self._timings.items():
+        """Every current value, collectors included.
+
+        Safe to call from another thread than the one recording: each dict is
+        copied in one step (under the GIL) before it is read.
+        """
+        out = [Sample(n, v, dict(lb), "counter") for (n, lb), v in list(self._counters.items())]
+        out += [Sample(n, v, dict(lb), "gauge") for (n, lb), v in list(self._gauges.items())]
+        for (name, labels), timing in list(self._timings.items()):
             base = dict(labels)
             out.append(Sample(f"{name}_count", timing.count, base, "counter"))
             out.append(Sample(f"{name}_sum", timing.total, base, "counter"))
@@ -111,30 +191,51 @@ class Metrics:
                 out.append(
                     Sample(name, timing.quantile(q), {**base, "quantile": str(q)}, "summary")
                 )
+        if not self._collectors:
+            return out
+        merged: dict[tuple[str, Labels], Sample] = {}
         for collector in self._collectors:
-            out.extend(collector())
-        return out
+            for sample in collector():
+                series = (sample.name, tuple(sorted(sample.labels.items())))
+                prior = merged.get(series)
+                if prior is not None and sample.kind == "counter":
+                    merged[series] = dataclasses.replace(sample, value=prior.value + sample.value)
+                else:
+                    merged[series] = sample
+        return out + list(merged.values())
 
     def snapshot(self) -> dict[str, Any]:
-        """A JSON-able dict: ``{"time": ..., "metrics": {"name{labels}": value}}``."""
-        metrics = {_series(s.name, s.labels): s.value for s in self.samples()}
+        """A JSON-able dict: ``{"time": ..., "metrics": {"name{labels}": value}}``.
+
+        NaN and infinite values become ``None`` (JSON has no such numbers).
+        """
+        metrics = {
+            _series(s.name, s.labels): s.value if math.isfinite(s.value) else None
+            for s in self.samples()
+        }
         return {"time": time.time(), "metrics": metrics}
 
     def prometheus_text(self) -> str:
-        """The Prometheus text exposition format (version 0.0.4)."""
+        """The Prometheus text exposition format (version 0.0.4).
+
+        Each family's samples come together, after its ``# HELP`` (when
+        known) and ``# TYPE`` lines. A ``_count``/``_sum`` pair makes a
+        summary (with quantiles for timings, without for collectors' sums).
+        """
+        families: dict[str, tuple[str, list[Sample]]] = {}
+        for sample in self.samples():
+            family, kind = sample.name, sample.kind
+            if kind == "summary" or family.endswith(("_count", "_sum")):
+                family, kind = re.sub(r"_(count|sum)$", "", family), "summary"
+            families.setdefault(family, (kind, []))[1].append(sample)
         lines: list[str] = []
-        typed: set[str] = set()
-        for sample in sorted(self.samples(), key=lambda s: s.name):
-            family = sample.name
-            if sample.kind == "summary" or family.endswith(("_count", "_sum")):
-                family = re.sub(r"_(count|sum)$", "", family)
-                kind = "summary"
-            else:
-                kind = sample.kind
-            if family not in typed:
-                lines.append(f"# TYPE {family} {kind}")
-                typed.add(family)
-            lines.append(f"{_series(sample.name, sample.labels)} {_number(sample.value)}")
+        for family in sorted(families):
+            kind, samples = families[family]
+            if family in self._help:
+                lines.append(f"# HELP {family} {_escape_help(self._help[family])}")
+            lines.append(f"# TYPE {family} {kind}")
+            samples.sort(key=lambda s: (s.name, sorted(s.labels.items())))
+            lines += [f"{_series(s.name, s.labels)} {_number(s.value)}" for s in samples]
         return "\n".join(lines) + "\n"
 
 
@@ -147,6 +248,10 @@ def _series(name: str, labels: Mapping[str, str]) -> str:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
 
 
 def _number(value: float) -> str:
@@ -178,6 +283,79 @@ def node_collector(node: _TrafficSource) -> Callable[[], list[Sample]]:
         return samples
 
     return collect
+
+
+def dht_collector(node: DHTNode) -> Callable[[], list[Sample]]:
+    """A collector of a DHT node's requests by method, failures, latency and table size.
+
+    Use ``metrics.add_collector(dht_collector(peer.dht.dht_node))``.
+    """
+    stats = node.stats
+
+    def collect() -> list[Sample]:
+        samples = [
+            Sample("p2ptrain_dht_peers_known", len(node.routing_table)),
+            Sample("p2ptrain_dht_records_held", len(node.records)),
+        ]
+        for method, count in sorted(dict(stats.sent).items()):
+            labels = {"method": method}
+            samples.append(Sample("p2ptrain_dht_requests_total", count, labels, "counter"))
+            answered = stats.answered.get(method, 0)
+            seconds = stats.answer_seconds.get(method, 0.0)
+            samples.append(
+                Sample("p2ptrain_dht_response_seconds_count", answered, labels, "counter")
+            )
+            samples.append(Sample("p2ptrain_dht_response_seconds_sum", seconds, labels, "counter"))
+        for (method, reason), count in sorted(dict(stats.failed).items()):
+            labels = {"method": method, "reason": reason}
+            samples.append(Sample("p2ptrain_dht_request_failures_total", count, labels, "counter"))
+        for method, count in sorted(dict(stats.served).items()):
+            labels = {"method": method}
+            samples.append(Sample("p2ptrain_dht_requests_served_total", count, labels, "counter"))
+        return samples
+
+    return collect
+
+
+def allreduce_collector(stats: RoundStats) -> Callable[[], list[Sample]]:
+    """A collector of a trainer's all-reduce rounds: achieved vs predicted seconds, bytes.
+
+    :class:`~p2ptrain.train.collaboration.Collaboration` registers one when
+    given a registry.
+    """
+
+    def collect() -> list[Sample]:
+        def counter(name: str, value: float, labels: Mapping[str, str] | None = None) -> Sample:
+            return Sample(name, value, labels or {}, "counter")
+
+        samples = [
+            counter("p2ptrain_allreduce_rounds_total", stats.rounds - stats.incomplete, _DONE),
+            counter("p2ptrain_allreduce_rounds_total", stats.incomplete, _PARTLY),
+            counter("p2ptrain_allreduce_seconds_count", stats.rounds),
+            counter("p2ptrain_allreduce_seconds_sum", stats.seconds),
+            counter("p2ptrain_allreduce_predicted_seconds_count", stats.predicted_rounds),
+            counter("p2ptrain_allreduce_predicted_seconds_sum", stats.predicted_seconds),
+            counter("p2ptrain_allreduce_members_total", stats.members),
+            counter("p2ptrain_allreduce_bytes_sent_total", stats.bytes_sent),
+            counter("p2ptrain_allreduce_bytes_received_total", stats.bytes_received),
+            counter("p2ptrain_allreduce_peers_dropped_total", stats.dropped),
+        ]
+        for stage, count in sorted(dict(stats.failures).items()):
+            samples.append(counter("p2ptrain_allreduce_failures_total", count, {"stage": stage}))
+        if stats.last_seconds is not None:
+            samples.append(Sample("p2ptrain_allreduce_last_seconds", stats.last_seconds))
+            samples.append(Sample("p2ptrain_allreduce_last_group_size", stats.last_group_size))
+        if stats.last_predicted_seconds is not None:
+            samples.append(
+                Sample("p2ptrain_allreduce_last_predicted_seconds", stats.last_predicted_seconds)
+            )
+        return samples
+
+    return collect
+
+
+_DONE = {"result": "complete"}
+_PARTLY = {"result": "incomplete"}
 
 
 class JsonLinesWriter:

@@ -15,29 +15,46 @@ with :meth:`Peer.run` (blocking) or :meth:`Peer.submit` (a future)::
 The matchmaker announces the capacity of this peer: bandwidths measured by
 :attr:`Peer.throughput` (the trainers record every all-reduce round in it)
 and the compute throughput set with :meth:`Peer.set_samples_per_s`.
+
+With ``PeerConfig(nat=NATConfig(...))`` the peer also traverses NATs: at
+start it learns whether it is reachable (dial-backs and STUN against its
+initial peers, or ``NATConfig.public``), joins the DHT as a server only if
+it is, runs a :class:`~p2ptrain.nat.service.NATService` and installs its
+router on the node, so every ``node.connect`` (DHT, all-reduce, state sync)
+reaches NATed peers too. Without it (the default) the peer dials plain TCP,
+as on a LAN or loopback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import math
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from p2ptrain.aio import LoopThread
 from p2ptrain.allreduce.bandwidth import ThroughputConfig, ThroughputMeter
 from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
 from p2ptrain.allreduce.partition import PeerCapacity
+from p2ptrain.allreduce.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, measure_if_unknown
 from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import Identity, PeerID
+from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
+
+if TYPE_CHECKING:  # p2ptrain.nat imports aiortc: loaded only when a peer traverses NATs
+    from p2ptrain.nat.config import NATConfig
+    from p2ptrain.nat.reachability import Reachability
+    from p2ptrain.nat.service import NATService
 
 __all__ = ["Peer", "PeerConfig"]
 
@@ -73,6 +90,8 @@ class PeerConfig:
         start_timeout: Seconds :meth:`Peer.start` may take (bootstrap included).
         close_timeout: Seconds :meth:`Peer.close` waits for a clean shutdown.
         use_uvloop: Run the loop on uvloop (default: when installed).
+        nat: NAT traversal (reachability, rendezvous, hole punching, WebRTC,
+            relays), or ``None`` to dial plain TCP only (LAN, loopback).
     """
 
     node: NodeConfig = field(default_factory=NodeConfig)
@@ -85,6 +104,8 @@ class PeerConfig:
     start_timeout: float = 60.0
     close_timeout: float = 10.0
     use_uvloop: bool | None = None
+    probe_bytes: int | None = DEFAULT_PROBE_BYTES
+    nat: NATConfig | None = None
 
     def __post_init__(self) -> None:
         checks = (
@@ -102,6 +123,18 @@ class PeerConfig:
             _positive(name, getattr(self, name))
         if self.use_uvloop is not None and not isinstance(self.use_uvloop, bool):
             raise ConfigError("PeerConfig.use_uvloop must be a bool or None")
+        probe = self.probe_bytes
+        if probe is not None and (
+            isinstance(probe, bool)
+            or not isinstance(probe, int)
+            or not 0 < probe <= MAX_PROBE_BYTES
+        ):
+            raise ConfigError(f"PeerConfig.probe_bytes must be None or in (0, {MAX_PROBE_BYTES}]")
+        if self.nat is not None:
+            from p2ptrain.nat.config import NATConfig  # noqa: PLC0415 - see TYPE_CHECKING
+
+            if not isinstance(self.nat, NATConfig):
+                raise ConfigError("PeerConfig.nat must be a NATConfig or None")
 
 
 class Peer:
@@ -129,6 +162,9 @@ class Peer:
         self._dht: DHT | None = None
         self._service: AllReduceService | None = None
         self._matchmaker: Matchmaker | None = None
+        self._nat: NATService | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self._dht_client_mode = self.config.dht.client_mode
         self._state = "new"
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -151,7 +187,7 @@ class Peer:
             self._shutdown()
             raise
         self._state = "running"
-        logger.info("peer %s started at %s", self.peer_id.short, self.address)
+        logger.debug("peer %s started at %s", self.peer_id.short, self.address)
 
     def close(self) -> None:
         """Leave the swarm: stop the services, close the node and the loop thread.
@@ -180,25 +216,62 @@ class Peer:
             self._state = "closed"
 
     async def _astart(self) -> None:
-        node = Node(identity=self.identity, config=self.config.node)
+        nat = self.config.nat
+        node_config = self.config.node
+        if nat is not None and nat.holepunch and not node_config.reuse_port:
+            node_config = dataclasses.replace(node_config, reuse_port=True)
+        node = Node(identity=self.identity, config=node_config)
         await node.start()
         self._node = node
         self._service = AllReduceService(node, join_timeout=self.config.join_timeout)
-        dht = DHT(node=node, config=self.config.dht)
+        dht_config = self.config.dht
+        reachability = None
+        if nat is not None:
+            reachability = await _measure(node, dht_config, nat)
+            dht_config = dataclasses.replace(dht_config, client_mode=not reachability.public)
+            self._dht_client_mode = dht_config.client_mode
+        dht = DHT(node=node, config=dht_config)
         await dht.start()
         self._dht = dht
+        if nat is not None:
+            from p2ptrain.nat.service import NATService  # noqa: PLC0415 - see TYPE_CHECKING
+
+            service = NATService(node=node, dht=dht, config=nat, reachability=reachability)
+            await service.start()
+            self._nat = service
+            node.set_router(service.router)
         self._matchmaker = Matchmaker(
             dht=dht,
             config=self.config.matchmaking,
             capacity=self.capacity,
-            client_mode=self.config.dht.client_mode,
+            client_mode=self.client_mode,
         )
+        if self.config.probe_bytes is not None and dht_config.initial_peers:
+            targets = [PeerAddress.parse(a) for a in dht_config.initial_peers]
+            self._probe = asyncio.get_running_loop().create_task(
+                self._probe_links(targets, self.config.probe_bytes), name="bandwidth-probe"
+            )
+
+    async def _probe_links(self, targets: list[PeerAddress], nbytes: int) -> None:
+        result = await measure_if_unknown(self.throughput, self.node, targets, nbytes=nbytes)
+        if result is not None:
+            logger.info(
+                "measured this peer's links: up %.1f MB/s, down %.1f MB/s (a %.0f MB probe)",
+                result.upload_bytes_per_s / 1e6,
+                result.download_bytes_per_s / 1e6,
+                nbytes / 1e6,
+            )
 
     async def _aclose(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
         if self._matchmaker is not None:
             self._matchmaker.close()
         if self._service is not None:
             self._service.close()
+        if self._nat is not None:
+            await self._nat.aclose()
         if self._dht is not None:
             await self._dht.aclose()
         if self._node is not None:
@@ -265,8 +338,41 @@ class Peer:
 
     @property
     def client_mode(self) -> bool:
-        """Whether this peer cannot accept connections."""
-        return self.config.dht.client_mode
+        """Whether this peer cannot accept connections.
+
+        A NATed peer running NAT traversal accepts them through its
+        rendezvous points (hole punching, WebRTC, relays), so it is not in
+        client mode, although it joins the DHT as a client.
+        """
+        return self._dht_client_mode and self._nat is None
+
+    @property
+    def nat(self) -> NATService | None:
+        """The NAT service (after :meth:`start`, with ``config.nat``), else None."""
+        return self._nat
+
+    @property
+    def reachability(self) -> Reachability | None:
+        """What this peer learned about its reachability, or None without ``config.nat``."""
+        return None if self._nat is None else self._nat.reachability
+
+    @property
+    def reach(self) -> str:
+        """``public``, ``nat:<kind>`` (easy, symmetric, unknown), or ``direct`` (plain TCP)."""
+        reachability = self.reachability
+        if reachability is None:
+            return "direct"
+        return "public" if reachability.public else f"nat:{reachability.nat}"
+
+    def paths(self) -> dict[PeerID, str]:
+        """The transport path of each pooled connection (``tcp-direct``, ``tcp-holepunch``, ...).
+
+        Reads the node's pool from the calling thread; for a status display.
+        """
+        node = self._node
+        if node is None:
+            return {}
+        return {conn.remote_peer: conn.path for conn in list(node.connections())}
 
     def set_samples_per_s(self, value: float) -> None:
         """Set the compute throughput that matchmaking announces (samples per second)."""
@@ -281,6 +387,16 @@ class Peer:
             samples_per_s=self._samples_per_s,
             client_mode=self.client_mode,
         )
+
+
+async def _measure(node: Node, dht: DHTNodeConfig, nat: NATConfig) -> Reachability:
+    """Reachability from ``nat.public`` or from dial-backs and STUN against the initial peers."""
+    from p2ptrain.nat.reachability import Reachability, check_reachability  # noqa: PLC0415
+
+    if nat.public is True:
+        return Reachability(True, "public", notes=("configured public",))
+    servers = [*nat.rendezvous, *dht.initial_peers]
+    return await check_reachability(node, servers, config=nat, dialback=nat.public is None)
 
 
 def _started(part: T | None) -> T:

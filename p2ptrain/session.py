@@ -21,7 +21,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +34,8 @@ from p2ptrain.train.progress import PeerProgress, ProgressConfig, aggregate
 
 if TYPE_CHECKING:
     from p2ptrain.dht.api import DHT
+    from p2ptrain.nat.config import NATConfig
+    from p2ptrain.nat.records import PeerRecord
 
 __all__ = [
     "StatusConfig",
@@ -42,6 +44,7 @@ __all__ = [
     "format_status",
     "json_lines_logger",
     "load_charlm",
+    "read_nat_records",
     "read_progress",
     "run_training_peer",
     "status_table",
@@ -93,6 +96,8 @@ class TrainingSessionConfig:
         node: Where the peer listens and how it admits others.
         identity_path: Key file of the peer (created if missing), or ``None``.
         progress: How often progress is published and read.
+        nat: NAT traversal (see :class:`~p2ptrain.peer.PeerConfig`), or
+            ``None`` to dial plain TCP (LAN, loopback).
     """
 
     initial_peers: tuple[str, ...]
@@ -111,6 +116,7 @@ class TrainingSessionConfig:
             publish_interval=0.5, heartbeat_interval=2.0, expiration=8.0, max_fetch_interval=2.0
         )
     )
+    nat: NATConfig | None = None
 
     def __post_init__(self) -> None:
         owner = "TrainingSessionConfig"
@@ -130,6 +136,11 @@ class TrainingSessionConfig:
             raise ConfigError(f"{owner}.node must be a NodeConfig")
         if not isinstance(self.progress, ProgressConfig):
             raise ConfigError(f"{owner}.progress must be a ProgressConfig")
+        if self.nat is not None:
+            from p2ptrain.nat.config import NATConfig  # noqa: PLC0415 - aiortc is slow
+
+            if not isinstance(self.nat, NATConfig):
+                raise ConfigError(f"{owner}.nat must be a NATConfig or None")
 
 
 @dataclass(frozen=True)
@@ -237,8 +248,8 @@ def run_training_peer(
         display: Stream for the one-line progress display (redrawn in place
             on a terminal, one line per update otherwise), or ``None``.
         log: Called with every event as a JSON-able dict: ``start`` (peer id,
-            address, time), ``progress`` (every ``log_interval`` seconds) and
-            ``end`` (the summary).
+            address, time), ``progress`` (every ``log_interval`` seconds, with
+            a metrics snapshot) and ``end`` (the summary).
         announce: Called once with the peer's address when it joined.
         stop: Set it (from a signal handler or another thread) to end the
             session cleanly before ``config.seconds``.
@@ -256,7 +267,12 @@ def run_training_peer(
     from p2ptrain.allreduce.bandwidth import ThroughputConfig  # noqa: PLC0415
     from p2ptrain.allreduce.matchmaking import MatchmakingConfig  # noqa: PLC0415
     from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
-    from p2ptrain.metrics import Metrics, MetricsServer, node_collector  # noqa: PLC0415
+    from p2ptrain.metrics import (  # noqa: PLC0415
+        Metrics,
+        MetricsServer,
+        dht_collector,
+        node_collector,
+    )
     from p2ptrain.peer import Peer, PeerConfig  # noqa: PLC0415
     from p2ptrain.train import CollaborativeOptimizer, TrainerConfig  # noqa: PLC0415
 
@@ -280,6 +296,7 @@ def run_training_peer(
         matchmaking=MatchmakingConfig(window=2.0, poll_interval=0.05, plan_timeout=5.0),
         throughput=throughput,
         identity_path=config.identity_path,
+        nat=config.nat,
     )
     trainer_config = TrainerConfig(
         run_id=config.run_id,
@@ -290,6 +307,7 @@ def run_training_peer(
     screen = _Display(display)
     with Peer(peer_config) as peer:
         metrics.add_collector(node_collector(peer.node))
+        metrics.add_collector(dht_collector(peer.dht.dht_node))
         server: MetricsServer | None = None
         if config.metrics_port is not None:
             server = MetricsServer(metrics, port=config.metrics_port)
@@ -301,6 +319,7 @@ def run_training_peer(
                 "time": started_wall,
                 "peer_id": peer.peer_id.short,
                 "address": peer.address,
+                "reach": peer.reach,
                 "upload_mbit": config.upload_mbit,
                 "download_mbit": config.download_mbit,
                 "metrics_port": None if server is None else server.port,
@@ -340,6 +359,7 @@ def run_training_peer(
                                 "peers_online": view.peers_online,
                                 "rounds": trainer.stats.rounds,
                                 "local_rounds": trainer.stats.local_rounds,
+                                "metrics": metrics.snapshot()["metrics"],
                             }
                         )
                         screen.show(
@@ -447,11 +467,51 @@ async def read_progress(dht: DHT, run_id: str) -> list[PeerProgress]:
     return records
 
 
-def _reachability(record: PeerProgress) -> str:
+async def read_nat_records(dht: DHT, peers: Sequence[PeerID]) -> dict[PeerID, PeerRecord]:
+    """The NAT records of ``peers`` that published one (lookups that fail are left out)."""
+    import asyncio  # noqa: PLC0415
+
+    from p2ptrain.errors import P2PTrainError  # noqa: PLC0415
+    from p2ptrain.nat.records import find_record  # noqa: PLC0415 - p2ptrain.nat loads aiortc
+
+    async def one(peer: PeerID) -> PeerRecord | None:
+        try:
+            return await find_record(dht, peer)
+        except P2PTrainError:
+            return None
+
+    found = await asyncio.gather(*(one(peer) for peer in peers))
+    return {peer: record for peer, record in zip(peers, found, strict=True) if record is not None}
+
+
+def _reachability(record: PeerProgress, nat: PeerRecord | None = None) -> str:
+    """The "reach/path" cell: how the peer is reached, from its NAT record if it has one."""
+    if nat is not None:
+        if nat.nat == "public":
+            where = nat.addresses[0] if nat.addresses else "?"
+            return f"public, tcp-direct {where}"
+        paths = []
+        if nat.rendezvous:
+            if nat.holepunch:
+                paths.append("holepunch")
+            paths.append("webrtc")
+            if any(point.relay for point in nat.rendezvous):
+                paths.append("relay")
+        via = f"via {len(nat.rendezvous)} rendezvous" if nat.rendezvous else "no rendezvous"
+        return f"nat:{nat.nat}, {'/'.join(paths) or 'unreachable'} {via}"
     if record.address is None:
         return "client mode (dials out only)"
     host_port = record.address.rsplit("@", 1)[-1]
-    return f"direct {host_port}"
+    reach = record.reach or "direct"
+    return f"{reach}, tcp-direct {host_port}" if reach != "direct" else f"direct {host_port}"
+
+
+def _bandwidth(record: PeerProgress) -> str:
+    """The "up/down MB/s" cell (1 MB = 10**6 bytes), or "?" for a peer that did not say."""
+    up, down = record.upload_bytes_per_s, record.download_bytes_per_s
+    if up is None or down is None:
+        return "?"
+    return f"{up / 1e6:.1f}/{down / 1e6:.1f}"
 
 
 def _ago(seconds: float) -> str:
@@ -460,7 +520,12 @@ def _ago(seconds: float) -> str:
 
 
 def format_status(
-    records: Sequence[PeerProgress], *, run_id: str, now: float, target_batch_size: int | None
+    records: Sequence[PeerProgress],
+    *,
+    run_id: str,
+    now: float,
+    target_batch_size: int | None,
+    nat_records: Mapping[PeerID, PeerRecord] | None = None,
 ) -> str:
     """Format progress records as a table, one row per peer, highest step first.
 
@@ -469,16 +534,20 @@ def format_status(
         run_id: The run's name, for the heading.
         now: The current time (Unix seconds), for "last seen".
         target_batch_size: The run's target, if known, for the heading.
+        nat_records: The NAT records (:mod:`p2ptrain.nat.records`) of the
+            peers that run NAT traversal, for the "reach/path" column.
     """
+    nat_records = nat_records or {}
     view = aggregate(records, target_batch_size=target_batch_size, now=now)
     if not view.records:
         return f"run {run_id!r}: no live peers found"
-    headers = ("PeerID", "reachability/path", "samples/s", "last seen", "global step")
+    headers = ("PeerID", "reach/path", "samples/s", "up/down MB/s", "last seen", "global step")
     rows = [
         (
             r.peer_id.short,
-            _reachability(r),
+            _reachability(r, nat_records.get(r.peer_id)),
             f"{r.samples_per_s:.1f}",
+            _bandwidth(r),
             _ago(now - r.time),
             str(r.step),
         )
@@ -509,12 +578,13 @@ def status_table(config: StatusConfig) -> str:
     from p2ptrain.dht.api import DHT  # noqa: PLC0415
     from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
 
-    async def read() -> list[PeerProgress]:
+    async def read() -> tuple[list[PeerProgress], dict[PeerID, PeerRecord]]:
         dht_config = DHTNodeConfig(initial_peers=config.initial_peers, client_mode=True)
         async with DHT(node_config=config.node, config=dht_config) as dht:
-            return await read_progress(dht, config.run_id)
+            records = await read_progress(dht, config.run_id)
+            return records, await read_nat_records(dht, [r.peer_id for r in records])
 
-    async def bounded() -> list[PeerProgress]:
+    async def bounded() -> tuple[list[PeerProgress], dict[PeerID, PeerRecord]]:
         import asyncio  # noqa: PLC0415
 
         try:
@@ -523,5 +593,11 @@ def status_table(config: StatusConfig) -> str:
         except TimeoutError:
             raise DHTError(f"no answer from the swarm within {config.timeout:g} s") from None
 
-    records = run(bounded())
-    return format_status(records, run_id=config.run_id, now=time.time(), target_batch_size=None)
+    records, nat_records = run(bounded())
+    return format_status(
+        records,
+        run_id=config.run_id,
+        now=time.time(),
+        target_batch_size=None,
+        nat_records=nat_records,
+    )

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.aio import run
 from p2ptrain.cli import BENCHMARKS, main
+from p2ptrain.nat.stun import stun_query
+from p2ptrain.node.address import PeerAddress
 
 COMMANDS = ("demo", "bootstrap", "bench")
 
@@ -131,6 +134,45 @@ def test_bootstrap_prints_a_joinable_address() -> None:
             if proc is not None:
                 proc.terminate()
                 proc.wait(10)
+
+
+def test_bootstrap_answers_stun_on_the_port_it_prints() -> None:
+    boot = subprocess.Popen(
+        [sys.executable, "-m", "p2ptrain.cli", "bootstrap", "--port", "0", "--relay"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert boot.stdout is not None
+        assert "ready" in boot.stdout.readline()
+        address = PeerAddress.parse(boot.stdout.readline().split("--join", 1)[1].strip())
+        assert address.peer_id is not None and address.host == "127.0.0.1"
+        info = boot.stdout.readline()
+        assert "rendezvous on" in info and "relay on" in info
+        stun_port = int(info.split("udp/", 1)[1].split(",", 1)[0])
+        answers = run(stun_query([("127.0.0.1", stun_port)], timeout=5.0))
+        assert answers[0] is not None and answers[0][0] == "127.0.0.1"
+    finally:
+        boot.terminate()
+        boot.wait(10)
+
+
+def test_nat_flags_are_checked() -> None:
+    mistakes = {
+        ("bootstrap", "--port", "0", "--relay-mbit", "5"): "need --relay",
+        ("bootstrap", "--port", "0", "--relay", "--relay-mbit", "-1"): "positive",
+        ("bootstrap", "--host", "0.0.0.0", "--port", "0"): "--announce-host",
+        ("train", "--join", "127.0.0.1:1", "--turn", "turn:h:1"): "need NAT traversal",
+        ("train", "--join", "127.0.0.1:1", "--nat", "auto", "--turn", "stun:h:1"): "--turn takes",
+        ("train", "--join", "127.0.0.1:1", "--nat", "auto", "--turn", "turn:h:1"): "username",
+        ("train", "--join", "127.0.0.1:1", "--host", "0.0.0.0", "--nat", "public"): "announce",
+    }
+    for args, fragment in mistakes.items():
+        result = run_cli(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+        assert fragment in result.stderr, (args, result.stderr)
 
 
 def test_demo_runs_and_verifies() -> None:

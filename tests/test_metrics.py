@@ -3,13 +3,38 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import io
 import json
+import logging
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from p2ptrain.errors import ConfigError
-from p2ptrain.metrics import JsonLinesWriter, Metrics, MetricsServer, Sample
+from p2ptrain.allreduce.group import GroupMember, GroupPlan
+from p2ptrain.allreduce.report import AllReduceReport, ShardReport
+from p2ptrain.cli import _ConsoleHandler
+from p2ptrain.dht import DHT, DHTNodeConfig
+from p2ptrain.errors import ConfigError, LookupFailedError
+from p2ptrain.identity import Identity
+from p2ptrain.metrics import (
+    HELP,
+    JsonLinesWriter,
+    Metrics,
+    MetricsServer,
+    Sample,
+    allreduce_collector,
+    dht_collector,
+    node_collector,
+)
+from p2ptrain.node.address import PeerAddress
+from p2ptrain.train.averaging import RoundOutcome, _log_round
+from p2ptrain.train.config import TrainerConfig
+from p2ptrain.train.optimizer import CollaborativeOptimizer
+from p2ptrain.train.round_stats import RoundStats
 
 
 def filled() -> Metrics:
@@ -90,7 +115,6 @@ async def test_json_lines_writer(tmp_path: Path) -> None:
 
 
 async def test_node_collector_reports_bytes_per_path() -> None:
-    from p2ptrain.metrics import node_collector
     from p2ptrain.node.node import Node
     from p2ptrain.rpc.handlers import CallContext, Message
 
@@ -106,3 +130,314 @@ async def test_node_collector_reports_bytes_per_path() -> None:
         assert values["p2ptrain_connections_open"] == 1
         assert values['p2ptrain_path_bytes_sent{path="tcp-direct"}'] > 100_000
         assert values['p2ptrain_path_bytes_received{path="tcp-direct"}'] > 100_000
+
+
+# -- the Prometheus text, parsed strictly --------------------------------------------------
+
+_SERIES = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
+_KINDS = {"counter", "gauge", "summary", "histogram", "untyped"}
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def _labels(text: str) -> tuple[tuple[str, str], ...]:
+    pairs: list[tuple[str, str]] = []
+    position = 0
+    while position < len(text):
+        match = _PAIR.match(text, position)
+        assert match, f"bad label set {text!r} at {position}"
+        value = re.sub(r"\\[\\\"n]", lambda m: _UNESCAPE[m.group(0)], match.group(2))
+        pairs.append((match.group(1), value))
+        position = match.end()
+        if position < len(text):
+            assert text[position] == ",", text
+            position += 1
+    names = [name for name, _ in pairs]
+    assert len(names) == len(set(names)), f"duplicate label in {text!r}"
+    return tuple(sorted(pairs))
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every series of a text exposition, checking the format as Prometheus reads it.
+
+    HELP and TYPE come at most once per family and before its samples, a
+    family's samples are contiguous, sample names belong to their family,
+    label sets parse with only the three escapes, values are numbers and no
+    series repeats.
+    """
+    assert text.endswith("\n")
+    series: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    kinds: dict[str, str] = {}
+    helped: set[str] = set()
+    sampled: set[str] = set()
+    closed: set[str] = set()
+    current: str | None = None
+    for line in text.splitlines():
+        if line.startswith(("# HELP ", "# TYPE ")):
+            _, keyword, family, rest = line.split(" ", 3)
+            if family != current:
+                assert family not in closed, f"family {family} is split: {line!r}"
+                if current is not None:
+                    closed.add(current)
+                current = family
+            assert family not in sampled, f"{keyword} after the samples: {line!r}"
+            if keyword == "HELP":
+                assert family not in helped and family not in kinds, line
+                helped.add(family)
+            else:
+                assert family not in kinds and rest in _KINDS, line
+                kinds[family] = rest
+            continue
+        assert line and not line.startswith("#"), f"stray line {line!r}"
+        match = _SERIES.match(line)
+        assert match, f"bad sample line {line!r}"
+        name, labels, value = match.group(1), match.group(2) or "", match.group(3)
+        assert current is not None, line
+        suffixes = ("", "_count", "_sum") if kinds.get(current) == "summary" else ("",)
+        assert any(name == current + s for s in suffixes), f"{name} outside family {current}"
+        sampled.add(current)
+        key = (name, _labels(labels))
+        assert key not in series, f"repeated series {line!r}"
+        series[key] = float(value)
+    return series
+
+
+def test_prometheus_text_parses_with_help_and_escaped_labels() -> None:
+    metrics = filled()
+    tricky = 'a "quoted" \\ back\nslash'
+    metrics.inc("p2ptrain_dht_requests_total", 2, {"method": tricky})
+    metrics.describe("bytes_sent_total", 'bytes, with a \\ and a\nnewline "as is"')
+    text = metrics.prometheus_text()
+    series = parse_prometheus(text)
+    assert series[("p2ptrain_dht_requests_total", (("method", tricky),))] == 2
+    assert series[("allreduce_seconds", (("quantile", "0.5"),))] == 0.3
+    assert "# HELP p2ptrain_dht_requests_total DHT requests sent, by method." in text
+    assert '# HELP bytes_sent_total bytes, with a \\\\ and a\\nnewline "as is"' in text
+    with pytest.raises(ConfigError):
+        metrics.inc("x_total", labels={"bad-label": "v"})
+
+
+def test_families_stay_contiguous_and_shared_collectors_add_up() -> None:
+    metrics = Metrics()
+    metrics.observe("t_seconds", 1.0)
+    metrics.set("t_seconds_last", 2.0)  # sorts between t_seconds and t_seconds_sum
+    for _ in range(2):  # two peers sharing one registry
+        metrics.add_collector(lambda: [Sample("c_total", 3, {"k": "v"}, "counter"), Sample("g", 5)])
+    series = parse_prometheus(metrics.prometheus_text())
+    assert series[("c_total", (("k", "v"),))] == 6
+    assert series[("g", ())] == 5
+    assert series[("t_seconds_sum", ())] == 1.0
+
+
+def test_observability_doc_lists_every_metric() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "observability.md").read_text()
+    missing = [name for name in HELP if f"`{name}" not in doc]
+    assert not missing, missing
+
+
+# -- round figures, without a network ---------------------------------------------------------
+
+
+def _outcome(*, failed: dict[int, str], excluded: dict[int, str]) -> RoundOutcome:
+    members = tuple(Identity.generate().peer_id for _ in range(3))
+    shard = ShardReport(0, 0, 4, ((0, 1),), excluded, None)
+    report = AllReduceReport(
+        round_id=b"r",
+        members=members,
+        index=0,
+        weight=1.0,
+        shards=(shard,),
+        failed=failed,
+        bytes_sent=100,
+        bytes_received=80,
+        reduce_scatter_s=0.1,
+        all_gather_s=0.1,
+        total_s=0.5,
+        send_s=0.1,
+        receive_s=0.1,
+        predicted_s=0.25,
+    )
+    return RoundOutcome(7, 3, 1.0, None, True, 0.1, 0.5, 100, 80, report)
+
+
+def test_round_stats_count_rounds_failures_and_dropped_peers() -> None:
+    stats = RoundStats()
+    outcome = _outcome(failed={2: "connection lost"}, excluded={1: "too late", 2: "gone"})
+    assert outcome.dropped == {2: "connection lost", 1: "left out of member 0's shard: too late"}
+    stats.record(outcome)
+    stats.record(RoundOutcome(8, 1, 1.0, "alone", False, 0.0, 0.0))
+    stats.record(RoundOutcome(9, 1, 1.0, "matchmaking: no group", False, 1.0, 0.0))
+    stats.record(RoundOutcome(9, 3, 1.0, "allreduce: peer dropped", False, 1.0, 0.2))
+    metrics = Metrics()
+    metrics.add_collector(allreduce_collector(stats))
+    values = metrics.snapshot()["metrics"]
+    assert values['p2ptrain_allreduce_rounds_total{result="complete"}'] == 1
+    assert values["p2ptrain_allreduce_seconds_sum"] == 0.5
+    assert values["p2ptrain_allreduce_predicted_seconds_sum"] == 0.25
+    assert values["p2ptrain_allreduce_last_group_size"] == 3
+    assert values["p2ptrain_allreduce_peers_dropped_total"] == 2
+    assert values['p2ptrain_allreduce_failures_total{stage="matchmaking"}'] == 1
+    assert values['p2ptrain_allreduce_failures_total{stage="allreduce"}'] == 1
+    parse_prometheus(metrics.prometheus_text())
+
+
+def test_console_log_lines_clear_the_progress_line_on_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    stream.write("\r[  1.0s] progress")
+    handler = _ConsoleHandler(stream)
+    handler.emit(logging.makeLogRecord({"msg": "global step advanced to 3"}))
+    assert stream.getvalue() == "\r[  1.0s] progress\r\x1b[Kglobal step advanced to 3\n"
+
+
+# -- a real swarm on loopback -----------------------------------------------------------------
+
+
+async def test_dht_requests_to_a_dead_peer_count_as_failures() -> None:
+    config = DHTNodeConfig(request_timeout=1.0, ping_timeout=1.0)
+    first = DHT(config=config)
+    await first.start()
+    second = DHT(config=dataclasses.replace(config, initial_peers=(str(first.address),)))
+    try:
+        await second.start()
+        metrics = Metrics()
+        metrics.add_collector(dht_collector(second.dht_node))
+        answered = metrics.snapshot()["metrics"]
+        assert answered['p2ptrain_dht_requests_total{method="dht.ping"}'] >= 1
+        assert answered['p2ptrain_dht_response_seconds_count{method="dht.ping"}'] >= 1
+        assert answered["p2ptrain_dht_peers_known"] == 1
+        assert first.dht_node.stats.served.get("dht.ping", 0) >= 1
+        await first.aclose()
+        with pytest.raises(LookupFailedError):
+            await second.dht_node.find_nodes(12345)
+        failures = {
+            k: v
+            for k, v in metrics.snapshot()["metrics"].items()
+            if k.startswith('p2ptrain_dht_request_failures_total{method="dht.find"')
+        }
+        assert sum(failures.values()) >= 1, failures
+        assert all('reason="unreachable"' in k or 'reason="timeout"' in k for k in failures)
+    finally:
+        await second.aclose()
+        await first.aclose()
+
+
+@dataclasses.dataclass
+class RealRun:
+    metrics: list[Metrics]
+    records: list[logging.LogRecord]
+    peer_ids: list[str]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(scope="module")
+def real_run() -> Iterator[RealRun]:
+    """Three trainers on loopback, two global steps, each peer with its own registry."""
+    from test_train_swarm import BATCH, in_threads, make_inner, start_peers, train_steps
+    from train_worker import FAST_PROGRESS, make_model
+
+    package = logging.getLogger("p2ptrain")
+    handler, level = _Records(), package.level
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    peers = start_peers(3)
+    try:
+        registries = [Metrics() for _ in peers]
+        for peer, metrics in zip(peers, registries, strict=True):
+            metrics.add_collector(node_collector(peer.node))
+            metrics.add_collector(dht_collector(peer.dht.dht_node))
+        config = TrainerConfig(
+            run_id="observed",
+            target_batch_size=len(peers) * BATCH,
+            max_local_samples_per_step=BATCH,
+            progress=FAST_PROGRESS,
+        )
+        models = [make_model(0) for _ in peers]
+        opts = [
+            CollaborativeOptimizer(make_inner(model), peer=peer, config=config, metrics=metrics)
+            for model, peer, metrics in zip(models, peers, registries, strict=True)
+        ]
+        for opt in opts:
+            opt.start()
+        try:
+            jobs = [
+                functools.partial(train_steps, opts[i], models[i], i, len(peers), 2)
+                for i in range(len(peers))
+            ]
+            assert in_threads(jobs) == [2, 2, 2]
+        finally:
+            for opt in opts:
+                opt.close()
+        yield RealRun(registries, handler.records, [p.peer_id.short for p in peers])
+    finally:
+        for peer in peers:
+            peer.close()
+        package.removeHandler(handler)
+        package.setLevel(level)
+
+
+def test_a_real_run_fills_the_metrics(real_run: RealRun) -> None:
+    for metrics in real_run.metrics:
+        values = metrics.snapshot()["metrics"]
+        assert values['p2ptrain_dht_requests_total{method="dht.find"}'] > 0
+        assert values['p2ptrain_dht_response_seconds_sum{method="dht.find"}'] > 0
+        assert values['p2ptrain_allreduce_rounds_total{result="complete"}'] == 2
+        assert values["p2ptrain_allreduce_seconds_count"] == 2
+        assert values["p2ptrain_allreduce_seconds_sum"] > 0
+        assert values["p2ptrain_allreduce_predicted_seconds_count"] == 2
+        assert values["p2ptrain_allreduce_last_predicted_seconds"] > 0
+        assert values["p2ptrain_allreduce_last_seconds"] > 0
+        assert values["p2ptrain_allreduce_last_group_size"] == 3
+        assert values["p2ptrain_allreduce_bytes_sent_total"] > 0
+        assert values["train_global_step"] == 2
+        assert values["train_samples_per_s"] > 0
+        assert values['p2ptrain_path_bytes_sent{path="tcp-direct"}'] > 0
+        text = metrics.prometheus_text()
+        series = parse_prometheus(text)
+        assert series[("p2ptrain_allreduce_seconds_count", ())] == 2
+        families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+        assert families <= set(HELP), families - set(HELP)
+        json.dumps(metrics.snapshot(), allow_nan=False)  # strict JSON
+
+
+def test_a_real_run_logs_its_notable_events(real_run: RealRun) -> None:
+    infos = [r.getMessage() for r in real_run.records if r.levelno == logging.INFO]
+    assert sum("joined the swarm at" in m and "peers known" in m for m in infos) == 2
+    # Each peer says which group it found once; the same group again is DEBUG.
+    groups = [m for m in infos if m.startswith("found a group of 3 for observed/step-0: ")]
+    assert len(groups) == 3 and all(pid in groups[0] for pid in real_run.peer_ids), groups
+    assert not any(m.startswith("found a group of 3 for observed/step-1") for m in infos)
+    averaged = [m for m in infos if re.match(r"step \d: averaged in a group of 3 in ", m)]
+    assert len(averaged) == 3 * 2, averaged
+    assert all(re.search(r"\(predicted \d[\d.e-]* s\); sent \d", m) for m in averaged)
+    assert sum(m == "global step advanced to 2" for m in infos) == 3
+    assert not any("dht.find" in m or "dht.ping" in m for m in infos)  # per-RPC stays DEBUG
+
+
+LOOPBACK = PeerAddress.parse("127.0.0.1:1")
+
+
+def test_an_averaged_round_names_its_dropped_peers(caplog: pytest.LogCaptureFixture) -> None:
+    outcome = _outcome(failed={2: "connection lost"}, excluded={})
+    assert outcome.report is not None
+    plan = GroupPlan(
+        round_id=b"r",
+        members=tuple(GroupMember(m, LOOPBACK) for m in outcome.report.members),
+        boundaries=(0, 4, 4, 4),
+    )
+    with caplog.at_level(logging.INFO, logger="p2ptrain"):
+        _log_round(outcome, plan)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("step 7: averaged in a group of 3 in 0.5 s (predicted 0.25 s)")
+    assert messages[1] == f"step 7: peer {outcome.report.members[2].short} dropped: connection lost"

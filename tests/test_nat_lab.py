@@ -322,6 +322,77 @@ def test_easy_nats_connect_over_tcp_holepunch(swarm: Swarm) -> None:
     )
 
 
+async def traverse_once_dialed(me: LabPeer, other: LabPeer) -> Traversal:
+    """Traverse to ``other`` once its circuit to us is being served (its dial came first)."""
+    dialed = asyncio.Event()
+    serve = me.nat._serve_path
+
+    async def spy(*args: Any) -> None:
+        dialed.set()
+        await serve(*args)
+
+    me.nat._serve_path = spy  # type: ignore[method-assign]
+    try:
+        await dialed.wait()
+    finally:
+        del me.nat._serve_path
+    return await me.nat.traverse(other.peer_id)
+
+
+@pytest.mark.parametrize("first", ["neither", "smaller", "larger"])
+def test_crossing_dials_between_easy_nats_share_one_holepunched_connection(
+    swarm: Swarm, first: str
+) -> None:
+    """Two NATed peers traverse towards each other (as the matchmaker makes them), at
+    once or one when the other's circuit reached it: one hole punch, one connection."""
+    lab = swarm.lab
+    bootstrap = (str(swarm["boot"].node.address), str(swarm["pub"].node.address))
+    fresh = {name: LabPeer(lab, name) for name in "ab"}  # pools without each other
+    try:
+        starts = [
+            p.submit(p.start(PEER_CONFIG, announce=None, bootstrap=bootstrap))
+            for p in fresh.values()
+        ]
+        for future in starts:
+            future.result(60)
+        a, b = fresh["a"], fresh["b"]
+        smaller, larger = sorted(fresh.values(), key=lambda p: p.peer_id.digest)
+        if first == "neither":  # each loop starts its traversal without waiting for the other
+            dials = {p: p.submit(p.nat.traverse(o.peer_id)) for p, o in ((a, b), (b, a))}
+            winner, loser = smaller, larger  # the tie-break
+        else:
+            winner, loser = (smaller, larger) if first == "smaller" else (larger, smaller)
+            later = loser.submit(traverse_once_dialed(loser, winner))
+            dials = {winner: winner.submit(winner.nat.traverse(loser.peer_id)), loser: later}
+        made = {peer: future.result(60) for peer, future in dials.items()}
+        assert made[winner].attempt == "tcp-holepunch", made[winner]
+        # The loser waited for the winner's dial instead of punching (or falling back).
+        assert made[loser].crossing and made[loser].attempts["crossing-dial"], made[loser]
+        for me, other in ((a, b), (b, a)):
+
+            async def check(me: LabPeer = me, other: LabPeer = other) -> tuple[str, int]:
+                conn = me.node.connection_to(other.peer_id)
+                assert conn is not None and conn is made[me].connection
+                reply = await conn.call("echo", {"from": me.where}, timeout=10)
+                assert reply.body == {"path": "tcp-holepunch", "body": {"from": me.where}}
+                # Every live connection, pooled or not (the pool keeps only the first).
+                mine = [c for c in me.node._all if c.remote_peer == other.peer_id and not c.closed]
+                return conn.transport.remote_address, len(mine)
+
+            remote, count = me.run(check())
+            assert made[me].path == "tcp-holepunch"
+            assert count == 1  # one connection, not one per dial
+            # From the listening port to the other's: one 4-tuple, so one connection pair.
+            assert remote == f"{lab.home(other.where).public_address}:{other.node.address.port}"
+        figures = ", ".join(
+            f"{p.where}: {t.attempt} in {t.seconds * 1000:.0f} ms" for p, t in made.items()
+        )
+        print(f"\nFIGURE crossing dials a<->b ({first} first) over tcp-holepunch; {figures}")
+    finally:
+        for peer in fresh.values():
+            peer.close()
+
+
 def test_symmetric_nat_reaches_easy_nat_through_turn(swarm: Swarm) -> None:
     traversal = connect_and_move(swarm, "c", "a", NATConfig(webrtc=turn_servers(swarm.lab)))
     assert traversal.path == "webrtc-turn"
@@ -342,6 +413,8 @@ class Unsure:
         self.view = dataclasses.replace(real.view, nat="unknown")
         self.rendezvous_connection = real.rendezvous_connection
         self.expect_reverse = real.expect_reverse
+        self.dialing_us = real.dialing_us
+        self.await_peer = real.await_peer
 
 
 def test_punching_and_ice_give_up_at_their_deadlines_then_the_relay_takes_over(
@@ -421,7 +494,7 @@ def test_a_forged_offer_fails_authentication_over_the_data_channel(
                 # The target refuses: with the reason (REFUSE) if it gets out before
                 # the data channel is torn down, else as a closed connection.
                 with pytest.raises((HandshakeError, ConnectionClosedError)):
-                    await node._secure(transport, initiator=True, expected=target.peer_id)
+                    await node.adopt(transport, initiator=True, expected=target.peer_id)
                 await circuit.aclose()
                 return path
             finally:

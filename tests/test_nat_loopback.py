@@ -357,7 +357,7 @@ async def test_a_forged_caller_fails_authentication_at_the_target() -> None:
             max_header_bytes=MiB,
         )
         with pytest.raises(HandshakeError):
-            await mallory._secure(transport, initiator=True, expected=target.peer_id)
+            await mallory.adopt(transport, initiator=True, expected=target.peer_id)
         assert target.nat.refused == 1
         assert target.node.connection_to(mallory.peer_id) is None
         assert target.node.connection_to(victim.peer_id) is None

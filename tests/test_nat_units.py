@@ -14,12 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2ptrain.errors import ConfigError, RemoteProtocolError, ResourceExhaustedError
-from p2ptrain.identity import Identity
+from p2ptrain.identity import Identity, PeerID
 from p2ptrain.nat import ATTEMPTS, LocalView, NATConfig, PeerRecord, RelayLimits, plan_paths
 from p2ptrain.nat.paths import webrtc_config_for
 from p2ptrain.nat.reachability import DialbackOutcome, classify
 from p2ptrain.nat.records import RendezvousPoint
 from p2ptrain.nat.relay import RelayLimiter, TokenBucket
+from p2ptrain.nat.service import wins_crossing
 from p2ptrain.nat.signaling import parse_endpoint
 from p2ptrain.nat.stun import (
     MAX_STUN_BYTES,
@@ -242,6 +243,15 @@ def test_a_missing_stun_server_is_taken_from_the_rendezvous_point() -> None:
     assert with_turn.ice_servers[0].url == "stun:100.64.1.2:4000"
 
 
+@given(st.binary(min_size=32, max_size=32), st.binary(min_size=32, max_size=32))
+def test_exactly_one_side_of_a_crossing_dial_wins(x: bytes, y: bytes) -> None:
+    us, them = PeerID(x), PeerID(y)
+    if us == them:
+        assert not wins_crossing(us, them)
+    else:
+        assert wins_crossing(us, them) != wins_crossing(them, us)
+
+
 # -- records and configs --------------------------------------------------------------------------
 
 
@@ -325,9 +335,11 @@ def test_the_public_api_is_pinned() -> None:
 
     assert sorted(nat.__all__) == [
         "ATTEMPTS",
+        "BootstrapInfo",
         "CircuitSignaling",
         "LocalView",
         "NATConfig",
+        "NATRouter",
         "NATService",
         "PeerRecord",
         "Reachability",
@@ -340,6 +352,7 @@ def test_the_public_api_is_pinned() -> None:
         "find_record",
         "plan_paths",
         "publish_record",
+        "run_bootstrap_peer",
         "start_node",
         "traverse",
     ]

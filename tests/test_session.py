@@ -105,6 +105,8 @@ def test_two_peers_train_and_status_lists_them(procs: list[Proc]) -> None:
     for peer_id in ids:
         assert int(rows[peer_id][-1]) >= 1  # the global step column
         assert rows[peer_id][1] == "direct"
+    # up/down MB/s: the rates the first peer announced (50 and 100 Mbit/s)
+    assert rows[events[0]["peer_id"]][4] == "6.2/12.5", status.stdout
 
 
 @pytest.mark.parametrize("command", ["train", "status"])
@@ -142,12 +144,20 @@ def test_format_status_orders_by_step() -> None:
     records = [
         PeerProgress(a, step=3, samples=0, samples_per_s=12.5, time=now - 1, address=None),
         PeerProgress(
-            b, step=5, samples=8, samples_per_s=40.0, time=now - 2, address=f"{b}@127.0.0.1:4001"
+            b,
+            step=5,
+            samples=8,
+            samples_per_s=40.0,
+            time=now - 2,
+            address=f"{b}@127.0.0.1:4001",
+            upload_bytes_per_s=2.5e6,
+            download_bytes_per_s=10e6,
         ),
     ]
     table = format_status(records, run_id="r", now=now, target_batch_size=None)
     lines = table.splitlines()
     assert "2 peers online, global step 5" in lines[0]
     assert lines[3].startswith(b.short) and "direct 127.0.0.1:4001" in lines[3]
+    assert "2.5/10.0" in lines[3] and "up/down MB/s" in lines[1]
     assert lines[4].startswith(a.short) and "client mode" in lines[4]
     assert "1.0s ago" in lines[4]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import p2ptrain.train
+from p2ptrain.allreduce.bandwidth import ThroughputConfig
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.dht.node_config import DHTNodeConfig
@@ -48,6 +50,24 @@ def test_a_peer_runs_coroutines_on_its_loop_and_closes_cleanly(tmp_path: Path) -
         again.start()
 
 
+def test_a_new_peer_probes_its_links_against_an_initial_peer() -> None:
+    with Peer(PeerConfig(probe_bytes=None)) as first:
+        config = PeerConfig(
+            dht=DHTNodeConfig(initial_peers=(first.address,)),
+            throughput=ThroughputConfig(upload_bytes_per_s=1e6),  # explicit: never probed
+            probe_bytes=16 << 20,
+        )
+        with Peer(config) as second:
+            deadline = time.monotonic() + 20
+            while second.throughput.download_bytes_per_s is None:
+                assert time.monotonic() < deadline, "the probe measured nothing"
+                time.sleep(0.05)
+            # loopback moves far more than the 12.5 MB/s guessed before any measurement
+            assert second.capacity().download_bytes_per_s > 50e6
+            assert second.capacity().upload_bytes_per_s == 1e6
+        assert first.throughput.download_bytes_per_s is None  # probe_bytes=None: it never probed
+
+
 def test_a_peer_that_cannot_bootstrap_fails_to_start() -> None:
     config = PeerConfig(dht=DHTNodeConfig(initial_peers=("127.0.0.1:1",), request_timeout=1.0))
     peer = Peer(config)
@@ -65,6 +85,8 @@ def test_a_peer_that_cannot_bootstrap_fails_to_start() -> None:
         {"node": "x"},
         {"identity_path": 3},
         {"use_uvloop": "yes"},
+        {"probe_bytes": 0},
+        {"probe_bytes": 1 << 30},
     ],
 )
 def test_bad_peer_configs_are_refused(kwargs: dict[str, Any]) -> None:

@@ -126,6 +126,10 @@ def test_sources_are_peers_with_an_address_highest_step_first() -> None:
 def test_records_round_trip_through_their_wire_form() -> None:
     record = PeerProgress(A, 7, 123, 4.5, NOW, True, f"{A}@127.0.0.1:5")
     assert PeerProgress.from_wire(A, record.to_wire()) == record
+    described = PeerProgress(
+        A, 7, 0, 1.0, NOW, reach="nat:easy", upload_bytes_per_s=1e6, download_bytes_per_s=5e6
+    )
+    assert PeerProgress.from_wire(A, described.to_wire()) == described
 
 
 @pytest.mark.parametrize(
@@ -141,6 +145,9 @@ def test_records_round_trip_through_their_wire_form() -> None:
         {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "b": 1},
         {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "a": "nowhere"},
         {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "a": f"{B}@127.0.0.1:5"},  # names another peer
+        {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "u": -5.0},
+        {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "d": math.inf},
+        {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "q": "x" * 100},
     ],
 )
 def test_malformed_records_are_refused(value: object) -> None:
@@ -153,7 +160,7 @@ plain = st.one_of(
 )
 
 
-@given(st.dictionaries(st.sampled_from(["s", "n", "r", "t", "b", "a", "x"]), plain))
+@given(st.dictionaries(st.sampled_from(["s", "n", "r", "t", "b", "a", "q", "u", "d", "x"]), plain))
 def test_any_value_parses_or_is_refused_cleanly(value: dict[str, object]) -> None:
     try:
         record = PeerProgress.from_wire(A, value)

@@ -81,6 +81,7 @@ from p2ptrain.dht.records import (
     validate_record,
 )
 from p2ptrain.dht.routing import AddStatus, Contact, NodeID, RoutingTable
+from p2ptrain.dht.stats import RPCStats
 from p2ptrain.dht.storage import RecordStore, merge_values
 from p2ptrain.dht.tasks import BackgroundTasks
 from p2ptrain.errors import (
@@ -118,6 +119,10 @@ class DHTNode:
         config: Limits, timings, client mode and initial peers.
         clock: Current time in Unix seconds (record expirations are absolute).
         rng: Source of the random ids used to refresh buckets.
+
+    Attributes:
+        stats: Requests sent, answered, failed and served
+            (:class:`~p2ptrain.dht.stats.RPCStats`).
     """
 
     def __init__(
@@ -138,6 +143,7 @@ class DHTNode:
             self.node_id, config=self._dht, rng=self._rng, now=clock()
         )
         self.records = RecordStore(config=self._dht)
+        self.stats = RPCStats()
         self._tasks = BackgroundTasks(f"dht {node.peer_id.short}")
         self._sender: str | None = None
         self._next_republish = clock() + self._dht.republish_interval
@@ -232,10 +238,19 @@ class DHTNode:
         await self._refresh([self.node_id])
         far = [b for b in self.routing_table.buckets if not b.lo <= self.node_id < b.hi]
         await self._refresh([NodeID(self._rng.randrange(b.lo, b.hi)) for b in far])
+        logger.info(
+            "joined the swarm at %s through %d of %d initial peers; peers known: %d",
+            self.node.address,
+            answered,
+            len(targets),
+            len(self.routing_table),
+        )
         return answered
 
     async def _greet(self, address: PeerAddress, failures: dict[str, str]) -> bool:
         timeout = self.config.request_timeout
+        started = time.perf_counter()
+        self.stats.on_sent(METHOD_PING)
         try:
             async with asyncio.timeout(timeout):
                 conn = await self.node.connect(address)
@@ -244,9 +259,11 @@ class DHTNode:
                 )
             reply = PingReply.decode(message.body)
         except _FAILURES as exc:
+            self.stats.on_failure(METHOD_PING, exc)
             failures[address.endpoint] = str(exc) or "timeout"
-            logger.info("initial peer %s did not answer: %s", address, exc or "timeout")
+            logger.debug("initial peer %s did not answer: %s", address, exc or "timeout")
             return False
+        self.stats.on_answer(METHOD_PING, time.perf_counter() - started)
         if conn.remote_peer == self.peer_id:
             return False
         if not reply.client_mode:
@@ -573,6 +590,8 @@ class DHTNode:
     ) -> T:
         """One request to ``contact``: the routing table hears of its success or failure."""
         timeout = self.config.request_timeout if timeout is None else timeout
+        started = time.perf_counter()
+        self.stats.on_sent(method)
         try:
             async with asyncio.timeout(timeout):
                 conn = self.node.connection_to(contact.peer_id)
@@ -582,13 +601,16 @@ class DHTNode:
                 message = await conn.call(method, body, payload, timeout=timeout)
             result = decode(message)
         except TimeoutError as exc:
+            self.stats.on_failure(method, exc)
             self.routing_table.mark_failed(contact.peer_id)
             raise DeadlineExceededError(
                 f"{contact.peer_id.short} did not answer {method} within {timeout} s"
             ) from exc
-        except P2PTrainError:
+        except P2PTrainError as exc:
+            self.stats.on_failure(method, exc)
             self.routing_table.mark_failed(contact.peer_id)
             raise
+        self.stats.on_answer(method, time.perf_counter() - started)
         self._heard(contact)
         return result
 
@@ -626,11 +648,13 @@ class DHTNode:
             self._heard(Contact(ctx.peer, sender))
 
     async def _serve_ping(self, ctx: CallContext, request: Message) -> Message:
+        self.stats.on_served(METHOD_PING)
         ping = _decoded(lambda: PingRequest.decode(request.body))
         self._heard_from_caller(ctx, ping.sender)
         return Message(PingReply(self.client_mode).encode())
 
     async def _serve_find(self, ctx: CallContext, request: Message) -> Message:
+        self.stats.on_served(METHOD_FIND)
         find = _decoded(
             lambda: FindRequest.decode(request.body, max_key_bytes=self._dht.max_key_bytes)
         )
@@ -643,6 +667,7 @@ class DHTNode:
         return Message(body, payload)
 
     async def _serve_store(self, ctx: CallContext, request: Message) -> Message:
+        self.stats.on_served(METHOD_STORE)
         store = _decoded(
             lambda: StoreRequest.decode(
                 request.body, request.payload, max_records=self.config.max_records_per_request

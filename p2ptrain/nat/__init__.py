@@ -12,22 +12,28 @@ See docs/nat-traversal.md. The pieces, bottom up:
 * :mod:`~p2ptrain.nat.holepunch`: TCP simultaneous open.
 * :mod:`~p2ptrain.nat.paths`: path planning and :func:`connect_peer`.
 * :mod:`~p2ptrain.nat.service`: :class:`NATService`, all of it for one peer.
+* :mod:`~p2ptrain.nat.router`: :class:`NATRouter`, the node's dialer hook.
+* :mod:`~p2ptrain.nat.bootstrap`: :func:`run_bootstrap_peer`, ``p2ptrain bootstrap``.
 """
 
+from p2ptrain.nat.bootstrap import BootstrapInfo, run_bootstrap_peer
 from p2ptrain.nat.config import ATTEMPTS, NATConfig, RelayLimits
 from p2ptrain.nat.holepunch import start_node
 from p2ptrain.nat.paths import LocalView, Traversal, connect_peer, plan_paths, traverse
 from p2ptrain.nat.reachability import Reachability, check_reachability
 from p2ptrain.nat.records import PeerRecord, RendezvousPoint, find_record, publish_record
 from p2ptrain.nat.relay import RelayTransport
+from p2ptrain.nat.router import NATRouter
 from p2ptrain.nat.service import NATService
 from p2ptrain.nat.signaling import CircuitSignaling
 
 __all__ = [
     "ATTEMPTS",
+    "BootstrapInfo",
     "CircuitSignaling",
     "LocalView",
     "NATConfig",
+    "NATRouter",
     "NATService",
     "PeerRecord",
     "Reachability",
@@ -40,6 +46,7 @@ __all__ = [
     "find_record",
     "plan_paths",
     "publish_record",
+    "run_bootstrap_peer",
     "start_node",
     "traverse",
 ]

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.node.address import PeerAddress
-from p2ptrain.transport.webrtc_config import WebRTCConfig
+from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
 
-__all__ = ["ATTEMPTS", "NATConfig", "RelayLimits"]
+__all__ = ["ATTEMPTS", "NATConfig", "RelayLimits", "ice_server_from_url"]
 
 MiB = 1 << 20
 
@@ -214,3 +214,26 @@ class NATConfig:
     def has_stun(self) -> bool:
         """Whether a STUN server is configured for WebRTC."""
         return any(s.url.startswith(("stun:", "stuns:")) for s in self.webrtc.ice_servers)
+
+
+def ice_server_from_url(text: str) -> IceServer:
+    """An ICE server from one URL, credentials inline for TURN.
+
+    ``stun:host:port``, or ``turn:user:password@host:port[?transport=udp]``
+    (also ``turns:``); the password may not contain ``@``.
+
+    Raises:
+        ConfigError: Not such a URL, or TURN without credentials.
+    """
+    scheme, sep, rest = text.partition(":")
+    if not sep or scheme not in ("stun", "stuns", "turn", "turns") or not rest:
+        raise ConfigError(f"an ICE server URL looks like stun:host:port, got {text!r}")
+    username = credential = None
+    if "@" in rest:
+        userinfo, rest = rest.rsplit("@", 1)
+        username, sep, credential = userinfo.partition(":")
+        if not sep or not username:
+            raise ConfigError(f"credentials in {scheme}:... URLs are user:password@, got {text!r}")
+    endpoint = rest.split("?", 1)[0]
+    PeerAddress.parse(endpoint)  # host:port, or a ConfigError naming the mistake
+    return IceServer(f"{scheme}:{rest}", username, credential)

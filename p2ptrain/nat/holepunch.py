@@ -32,6 +32,11 @@ faster than aiortc's SCTP, and robust to loss.
    each side expecting the PeerID it was told: a wrong peer fails
    authentication.
 
+Two peers that punch towards each other at once would open the same
+4-tuple twice (the second connect fails with ``EADDRNOTAVAIL``,
+:func:`port_pair_taken`): the NAT service's tie-break for crossing dials
+(:mod:`p2ptrain.nat.service`) lets only one of them dial.
+
 Against a symmetric NAT the mapping the rendezvous point saw is not the one
 used towards the peer, so the SYNs are dropped and the attempt times out;
 path selection skips hole punching when either side knows it is symmetric.
@@ -40,6 +45,8 @@ path selection skips hole punching when either side knows it is symmetric.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import errno
 import logging
 import socket
 
@@ -49,11 +56,12 @@ from p2ptrain.nat.signaling import CircuitSignaling
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.connection import Connection
-from p2ptrain.transport.tcp import TCPTransport, tcp_listen
+from p2ptrain.transport.tcp import TCPTransport
 
 __all__ = [
     "HOLEPUNCH_PATH",
     "dial_from_listen_port",
+    "port_pair_taken",
     "punch_initiator",
     "punch_responder",
     "reuses_port",
@@ -66,40 +74,33 @@ HOLEPUNCH_PATH = "tcp-holepunch"
 
 
 async def start_node(node: Node) -> None:
-    """Start ``node`` like :meth:`Node.start`, with a listener that shares its port.
+    """Start ``node`` with a listener that shares its port (``NodeConfig.reuse_port``).
 
-    Node hook wanted: a ``NodeConfig.reuse_port`` flag passed on to
-    ``tcp_listen``; until then this opens the listener itself through the
-    node's internals (``_listener``, ``_on_inbound``).
+    Equivalent to building the node with ``NodeConfig(reuse_port=True)`` and
+    calling :meth:`Node.start`.
 
     Raises:
         RuntimeError: The node is already started.
         ConnectError: The port cannot be bound.
     """
-    if node._listener is not None:
+    if node.listening:
         raise RuntimeError("start_node() replaces node.start(): the node is already started")
-    conn = node.config.connection
-    node._listener = await tcp_listen(
-        node.config.host,
-        node.config.port,
-        node._on_inbound,
-        max_frame_bytes=conn.max_frame_bytes,
-        max_header_bytes=conn.max_header_bytes,
-        write_high_water=conn.write_high_water,
-        reuse_port=True,
-    )
-    logger.info("node %s listening on %s (port shared)", node.peer_id.short, node.address.endpoint)
+    if not node.config.reuse_port:
+        node.config = dataclasses.replace(node.config, reuse_port=True)
+    await node.start()
 
 
 def reuses_port(node: Node) -> bool:
     """Whether the node's listener allows outgoing sockets on its port."""
-    listener = node._listener
-    if listener is None:
-        return False
-    sockets = listener._server.sockets
-    return bool(sockets) and all(
-        s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) for s in sockets
-    )
+    return node.shares_port
+
+
+def port_pair_taken(exc: BaseException) -> bool:
+    """Whether a connect from the listening port failed because a socket of ours
+    already joins that port to the same remote address (``EADDRNOTAVAIL``): the
+    peer's own punch towards us got there first."""
+    cause = exc.__cause__
+    return isinstance(cause, OSError) and cause.errno == errno.EADDRNOTAVAIL
 
 
 def _local_addr(node: Node) -> tuple[str, int]:
@@ -160,7 +161,7 @@ async def dial_from_listen_port(node: Node, address: PeerAddress, *, timeout: fl
     transport = await _open_from_listen_port(
         node, address.host, address.port, timeout=timeout, path="tcp-direct"
     )
-    return await node._secure(transport, initiator=True, expected=address.peer_id)
+    return await node.adopt(transport, initiator=True, expected=address.peer_id)
 
 
 async def punch_initiator(
@@ -197,7 +198,7 @@ async def punch_initiator(
     transport = await _open_from_listen_port(
         node, target[0], target[1], timeout=timeout, path=HOLEPUNCH_PATH
     )
-    return await node._secure(transport, initiator=True, expected=peer)
+    return await node.adopt(transport, initiator=True, expected=peer)
 
 
 async def punch_responder(
@@ -219,4 +220,4 @@ async def punch_responder(
     transport = await _open_from_listen_port(
         node, target[0], target[1], timeout=timeout, path=HOLEPUNCH_PATH
     )
-    return await node._secure(transport, initiator=False, expected=peer)
+    return await node.adopt(transport, initiator=False, expected=peer)

@@ -28,6 +28,12 @@ reason}`` (skipped ones included) when none works. Attempts that cannot work
 are skipped instead of timed out: hole punching and TURN-less ICE when either
 side knows it is behind a symmetric NAT.
 
+Crossing dials: when the target is dialing us at the same moment (its
+circuit reached us, or it refused ours because it wins the tie-break of
+:mod:`p2ptrain.nat.service`), :func:`traverse` stops walking and waits, for
+what is left of the plan's deadlines, for the target's connection to land in
+our pool; the :class:`Traversal` then says ``attempt == "crossing-dial"``.
+
 The target's half of each attempt is in :mod:`p2ptrain.nat.service`.
 """
 
@@ -37,7 +43,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,10 +53,11 @@ from p2ptrain.errors import (
     HandshakeError,
     NATTraversalError,
     P2PTrainError,
+    TransportTimeoutError,
 )
 from p2ptrain.identity import PeerID
 from p2ptrain.nat.config import ATTEMPTS, NATConfig
-from p2ptrain.nat.holepunch import punch_initiator
+from p2ptrain.nat.holepunch import port_pair_taken, punch_initiator
 from p2ptrain.nat.records import NatKind, PeerRecord, RendezvousPoint, find_record
 from p2ptrain.nat.relay import RelayTransport
 from p2ptrain.nat.signaling import (
@@ -68,6 +75,7 @@ from p2ptrain.transport.webrtc_connect import webrtc_connect
 
 __all__ = [
     "ATTEMPTS",
+    "CROSSING",
     "LocalState",
     "LocalView",
     "PlannedAttempt",
@@ -81,6 +89,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SLACK = 5.0  # seconds on top of an attempt's own deadlines (the handshake)
+
+CROSSING = "crossing-dial"
+"""``Traversal.attempt`` when the connection came from the target's own dial to us."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,19 @@ class LocalState(Protocol):
 
     def expect_reverse(self, peer: PeerID) -> asyncio.Future[Connection]:
         """A future that the connection ``peer`` dials back to us resolves."""
+        ...
+
+    def dialing_us(self, peer: PeerID) -> bool:
+        """Whether a circuit ``peer`` opened to reach us is being served now."""
+        ...
+
+    async def await_peer(self, peer: PeerID, *, timeout: float) -> Connection:
+        """The connection ``peer``'s own dial to us brings (we let it dial meanwhile).
+
+        Raises:
+            TransportTimeoutError: None came within ``timeout``.
+            ConnectError: We cannot wait for one (no accepting side).
+        """
         ...
 
 
@@ -207,8 +231,11 @@ class Traversal:
     Attributes:
         connection: The authenticated connection.
         attempt: The attempt that worked (``tcp-reverse`` gives a
-            ``tcp-direct`` connection; ``webrtc`` one of the two WebRTC paths).
-        attempts: Why each cheaper attempt was skipped or failed.
+            ``tcp-direct`` connection; ``webrtc`` one of the two WebRTC paths),
+            ``pooled``, or ``crossing-dial``: the target dialed us at the same
+            time and its connection is the one both sides keep.
+        attempts: Why each cheaper attempt was skipped or failed (and, under
+            ``crossing-dial``, why we waited for the target's own dial).
         seconds: Time from the start of the traversal to the connection.
     """
 
@@ -216,6 +243,11 @@ class Traversal:
     attempt: str
     attempts: dict[str, str]
     seconds: float
+
+    @property
+    def crossing(self) -> bool:
+        """The target dialed us at the same time and its connection is the one kept."""
+        return self.attempt == CROSSING
 
     @property
     def path(self) -> str:
@@ -233,14 +265,35 @@ class _Stateless:
     async def rendezvous_connection(
         self, address: PeerAddress, *, from_listen_port: bool
     ) -> Connection:
-        return await self._node.connect(address)
+        return await self._node.connect_direct(address)
 
     def expect_reverse(self, peer: PeerID) -> asyncio.Future[Connection]:
         raise ConnectError("this peer cannot be dialed back")
 
+    def dialing_us(self, peer: PeerID) -> bool:
+        return False  # we serve no circuits
+
+    async def await_peer(self, peer: PeerID, *, timeout: float) -> Connection:
+        raise ConnectError("this peer does not accept circuits, so it cannot wait for one")
+
 
 class _RendezvousFailedError(ConnectError):
     """The rendezvous point could not be reached or would not open the circuit."""
+
+
+class _CrossingDialError(ConnectError):
+    """The target is dialing us too, and its dial is the one to keep."""
+
+
+@contextlib.contextmanager
+def _crossing(channel: CircuitSignaling) -> Iterator[None]:
+    """Turn a failure caused by a crossing-dial refusal into :class:`_CrossingDialError`."""
+    try:
+        yield
+    except P2PTrainError as exc:
+        if channel.crossed:
+            raise _CrossingDialError("the target dials us too and wins the tie-break") from exc
+        raise
 
 
 class _Walker:
@@ -271,7 +324,7 @@ class _Walker:
             try:
                 address = PeerAddress.parse(text).with_peer(self.target)
                 async with asyncio.timeout(self.config.direct_timeout):
-                    return await self.node.connect(address)
+                    return await self.node.connect_direct(address)
             except (P2PTrainError, TimeoutError) as exc:
                 errors.append(f"{text}: {_reason(exc)}")
         raise ConnectError("; ".join(errors) or "no address")
@@ -341,13 +394,19 @@ class _Walker:
             if target is None:
                 raise ConnectError("the rendezvous point does not know the target's address")
             await channel.send({"type": "path", "path": "punch"})
-            return await punch_initiator(
-                self.node,
-                channel,
-                peer=self.target,
-                target=target,
-                timeout=self.config.holepunch_timeout,
-            )
+            try:
+                with _crossing(channel):
+                    return await punch_initiator(
+                        self.node,
+                        channel,
+                        peer=self.target,
+                        target=target,
+                        timeout=self.config.holepunch_timeout,
+                    )
+            except ConnectError as exc:
+                if port_pair_taken(exc):  # the target's punch to us holds the 4-tuple
+                    raise _CrossingDialError(f"{exc} (the target is punching to us)") from exc
+                raise
 
     async def webrtc(self, point: RendezvousPoint) -> Connection:
         channel, circuit = await self._signal(point, from_listen_port=False)
@@ -356,16 +415,17 @@ class _Walker:
             address = point.peer_address
             stun = None if point.stun_port is None else (address.host, point.stun_port)
             conn_config = self.node.config.connection
-            transport = await webrtc_connect(
-                channel,
-                config=webrtc_config_for(self.config, stun),
-                initiator=True,
-                max_frame_bytes=conn_config.max_frame_bytes,
-                max_header_bytes=conn_config.max_header_bytes,
-            )
+            with _crossing(channel):
+                transport = await webrtc_connect(
+                    channel,
+                    config=webrtc_config_for(self.config, stun),
+                    initiator=True,
+                    max_frame_bytes=conn_config.max_frame_bytes,
+                    max_header_bytes=conn_config.max_header_bytes,
+                )
             # Keep the circuit until we are authenticated too: the target's half
             # (and its handshake) stops if the circuit is reset.
-            return await self.node._secure(transport, initiator=True, expected=self.target)
+            return await self.node.adopt(transport, initiator=True, expected=self.target)
 
     async def relay(self, point: RendezvousPoint) -> Connection:
         circuit = await self._circuit(point, "relay", from_listen_port=False)
@@ -376,7 +436,7 @@ class _Walker:
             max_frame_bytes=conn_config.max_frame_bytes,
             max_header_bytes=conn_config.max_header_bytes,
         )
-        return await self.node._secure(transport, initiator=True, expected=self.target)
+        return await self.node.adopt(transport, initiator=True, expected=self.target)
 
 
 @contextlib.asynccontextmanager
@@ -437,11 +497,20 @@ async def traverse(
         )
     plan, attempts = plan_paths(state.view, record, config)
     walker = _Walker(node, target, record, config, state)
+    deadline = loop.time() + sum(step.timeout for step in plan)
+    crossing: str | None = None
     for step in plan:
+        if state.dialing_us(target) or node.connection_to(target) is not None:
+            crossing = f"{target.short} is dialing us"  # its circuit got here first
+            break
         step_started = loop.time()
         try:
             async with asyncio.timeout(step.timeout):
                 conn = await walker.run(step.name)
+        except _CrossingDialError as exc:
+            attempts[step.name] = f"crossing dial: {exc}"
+            crossing = str(exc)
+            break
         except (P2PTrainError, TimeoutError) as exc:
             if isinstance(exc, HandshakeError):
                 raise
@@ -468,7 +537,77 @@ async def traverse(
             "; ".join(f"{k}: {v}" for k, v in attempts.items()) or "first choice",
         )
         return Traversal(conn, step.name, attempts, elapsed)
+    if crossing is None and (state.dialing_us(target) or node.connection_to(target) is not None):
+        crossing = f"{target.short} is dialing us"  # the last attempt failed meanwhile
+    if crossing is not None:
+        joined = await _await_crossing(
+            node, target, state=state, why=crossing, attempts=attempts, deadline=deadline
+        )
+        if joined is not None:
+            return Traversal(joined, CROSSING, attempts, loop.time() - started)
     raise NATTraversalError(f"cannot reach {target.short}", attempts)
+
+
+async def _await_crossing(
+    node: Node,
+    target: PeerID,
+    *,
+    state: LocalState,
+    why: str,
+    attempts: dict[str, str],
+    deadline: float,
+) -> Connection | None:
+    """Wait for the crossing dial's connection; None (reason in ``attempts``) without one."""
+    attempts[CROSSING] = why
+    conn = node.connection_to(target)
+    if conn is None:
+        timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+        logger.info(
+            "%s -> %s: crossing dial (%s); waiting up to %.1f s for its connection",
+            node.peer_id.short,
+            target.short,
+            why,
+            timeout,
+        )
+        try:
+            conn = await state.await_peer(target, timeout=timeout)
+        except TransportTimeoutError:
+            attempts[CROSSING] = f"{why}; its connection did not come within {timeout:.1f} s"
+            return None
+        except ConnectError as exc:
+            attempts[CROSSING] = f"{why}; {exc}"
+            return None
+    logger.info(
+        "%s -> %s: connected via %s, the crossing dial's connection (%s)",
+        node.peer_id.short,
+        target.short,
+        conn.path,
+        why,
+    )
+    return conn
+    timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+    logger.info(
+        "%s -> %s: crossing dial (%s); waiting up to %.1f s for its connection",
+        node.peer_id.short,
+        target.short,
+        why,
+        timeout,
+    )
+    try:
+        conn = await state.await_peer(target, timeout=timeout)
+    except TransportTimeoutError:
+        attempts[CROSSING] = f"{why}; its connection did not come within {timeout:.1f} s"
+        return None
+    except ConnectError as exc:
+        attempts[CROSSING] = f"{why}; {exc}"
+        return None
+    logger.info(
+        "%s -> %s: connected via %s, the crossing dial's connection",
+        node.peer_id.short,
+        target.short,
+        conn.path,
+    )
+    return conn
 
 
 async def connect_peer(

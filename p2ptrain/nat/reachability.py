@@ -274,7 +274,7 @@ async def check_reachability(
     async def ask(server: PeerAddress) -> DialbackOutcome:
         try:
             async with asyncio.timeout(node.config.dial_timeout):
-                conn = await node.connect(server)
+                conn = await node.connect_direct(server)
         except (P2PTrainError, TimeoutError) as exc:
             return DialbackOutcome(str(server), False, reason=f"cannot connect: {exc}")
         return await request_dialback(conn, port, timeout=wait)

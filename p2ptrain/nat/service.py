@@ -10,6 +10,7 @@
     await dht.start()
     async with NATService(node=node, dht=dht, config=nat_config, reachability=reach) as nat:
         conn = await nat.connect(other_peer_id)     # conn.path says how
+        node.set_router(nat.router)                 # node.connect(address) traverses too
 
 A **public** peer answers STUN (:class:`~p2ptrain.nat.stun.StunResponder`) and
 dial-backs (:class:`~p2ptrain.nat.reachability.DialbackServer`), serves as a
@@ -21,15 +22,29 @@ its listening port when that port is shared) and publishes them. Both serve
 rendezvous point it is registered with) and ``nat.reversed`` (a target dialing
 back), and republish their record every ``republish_interval`` and whenever a
 registration changes. Background work runs in one task owned by the service.
+
+Crossing dials: two NATed peers that dial each other at the same moment (the
+all-reduce's matchmaker does) would each run a traversal, and two hole
+punches on the same 4-tuple collide. The peer with the smaller PeerID wins: a
+``punch`` or ``webrtc`` circuit from a peer we are dialing ourselves is
+refused as a crossing dial when our PeerID is smaller, and accepted when it
+is larger. The loser's :func:`~p2ptrain.nat.paths.traverse` then waits
+(:meth:`NATService.await_peer`) for the winner's connection to land in its
+pool; so does a traversal that finds a circuit from its target already being
+served (:meth:`NATService.dialing_us`), whichever order things happened in.
+While a traversal waits it refuses nothing, so the two sides never wait for
+each other.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
+from typing import Any
 
 from p2ptrain.dht.api import DHT
 from p2ptrain.errors import (
@@ -38,6 +53,7 @@ from p2ptrain.errors import (
     InvalidArgumentError,
     P2PTrainError,
     PermissionDeniedError,
+    TransportTimeoutError,
 )
 from p2ptrain.identity import PeerID
 from p2ptrain.nat.config import NATConfig
@@ -51,6 +67,7 @@ from p2ptrain.nat.reachability import DialbackServer, Reachability, check_reacha
 from p2ptrain.nat.records import PeerRecord, RendezvousPoint, publish_record
 from p2ptrain.nat.relay import RelayTransport
 from p2ptrain.nat.rendezvous import RendezvousServer
+from p2ptrain.nat.router import NATRouter, routing_off
 from p2ptrain.nat.signaling import (
     ACCEPT,
     AcceptHeader,
@@ -70,11 +87,18 @@ from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.transport.webrtc_connect import webrtc_connect
 
-__all__ = ["REVERSED", "NATService"]
+__all__ = ["REVERSED", "NATService", "wins_crossing"]
 
 logger = logging.getLogger(__name__)
 
 REVERSED = "nat.reversed"
+_RECHECK = 0.25  # seconds between looks at the pool while waiting for a crossing dial
+_CROSSABLE = ("punch", "webrtc")  # paths that would make a second connection
+
+
+def wins_crossing(us: PeerID, them: PeerID) -> bool:
+    """Whether our dial is the one kept when ``us`` and ``them`` dial each other at once."""
+    return us.digest < them.digest
 
 
 def _is_unspecified(host: str) -> bool:
@@ -115,6 +139,9 @@ class NATService:
         self._punch_connections: dict[PeerID, Connection] = {}
         self._reverse_waiters: dict[PeerID, asyncio.Future[Connection]] = {}
         self._traversals: dict[PeerID, asyncio.Task[Traversal]] = {}
+        self._inbound: dict[PeerID, int] = {}  # circuits from a peer being served
+        self._yielding: dict[PeerID, int] = {}  # our traversals waiting for a peer's dial
+        self._arrivals: dict[PeerID, asyncio.Future[None]] = {}
         self._changed = asyncio.Event()
         self._publish_failed = False
         self._task: asyncio.Task[None] | None = None
@@ -123,6 +150,8 @@ class NATService:
         """Incoming connections refused because the handshake failed."""
         self.record_listeners: list[Callable[[PeerRecord], None]] = []
         """Called with every record published (tests wait on them)."""
+        self.router = NATRouter(self)
+        """Install with ``node.set_router(nat.router)`` so ``Node.connect`` traverses NATs."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -146,10 +175,14 @@ class NATService:
         except BaseException:
             await self.aclose()
             raise
-        self._task = asyncio.get_running_loop().create_task(self._maintain(), name="nat-service")
+        self._task = asyncio.get_running_loop().create_task(
+            routing_off(self._maintain()), name="nat-service"
+        )
 
     async def aclose(self) -> None:
-        """Stop serving and unregister (the node stays open)."""
+        """Stop serving and unregister (the node stays open, dialing plain TCP again)."""
+        if self.node.router is self.router:
+            self.node.set_router(None)
         tasks = [
             t for t in (self._task, *self._watchers, *self._traversals.values()) if t is not None
         ]
@@ -198,7 +231,11 @@ class NATService:
         task = self._traversals.get(peer)
         if task is None:
             task = asyncio.get_running_loop().create_task(
-                traverse(self.node, peer, dht=self.dht, config=config or self.config, local=self),
+                routing_off(
+                    traverse(
+                        self.node, peer, dht=self.dht, config=config or self.config, local=self
+                    )
+                ),
                 name=f"nat-traverse:{peer.short}",
             )
             self._traversals[peer] = task
@@ -233,7 +270,7 @@ class NATService:
     ) -> Connection:
         """A connection to a rendezvous point, from our listening port if asked."""
         if not from_listen_port:
-            return await self.node.connect(address)
+            return await self.node.connect_direct(address)
         peer = address.peer_id
         registration = self._registrations.get(peer) if peer is not None else None
         if registration is not None and registration.active:
@@ -261,6 +298,42 @@ class NATService:
 
         waiter.add_done_callback(forget)
         return waiter
+
+    def dialing_us(self, peer: PeerID) -> bool:
+        """Whether a circuit ``peer`` opened to reach us is being served now."""
+        return self._inbound.get(peer, 0) > 0
+
+    async def await_peer(self, peer: PeerID, *, timeout: float) -> Connection:
+        """The connection ``peer``'s own dial to us brings (a crossing dial).
+
+        Meanwhile we accept every circuit from ``peer``.
+
+        Raises:
+            TransportTimeoutError: None came within ``timeout``.
+        """
+        loop = asyncio.get_running_loop()
+        self._yielding[peer] = self._yielding.get(peer, 0) + 1
+        try:
+            async with asyncio.timeout(timeout):
+                while (conn := self.node.connection_to(peer)) is None:
+                    arrival = self._arrivals.get(peer)
+                    if arrival is None or arrival.done():
+                        arrival = self._arrivals[peer] = loop.create_future()
+                    # Our accept side resolves it; the recheck catches connections
+                    # that come otherwise (a public peer's plain TCP dial).
+                    await asyncio.wait([arrival], timeout=_RECHECK)
+                return conn
+        except TimeoutError as exc:
+            raise TransportTimeoutError(
+                f"{peer.short}'s own connection did not come within {timeout:.1f} s"
+            ) from exc
+        finally:
+            left = self._yielding[peer] - 1
+            if left:
+                self._yielding[peer] = left
+            else:
+                del self._yielding[peer]
+                self._arrivals.pop(peer, None)
 
     # -- internals: our own side ---------------------------------------------------------------
 
@@ -365,7 +438,7 @@ class NATService:
                             self.node, address, timeout=self.node.config.dial_timeout
                         )
                     else:
-                        conn = await self.node.connect(address)
+                        conn = await self.node.connect_direct(address)
                     registration = await register(conn, address, timeout=self.config.signal_timeout)
             except (P2PTrainError, TimeoutError) as exc:
                 logger.info("cannot register at %s: %s", address, exc or "timed out")
@@ -458,6 +531,32 @@ class NATService:
             exc,
         )
 
+    def _refuses_crossing(self, peer: PeerID) -> bool:
+        """Whether a circuit from ``peer`` crosses our own dial to it, which wins."""
+        ours = self._traversals.get(peer)
+        return (
+            ours is not None
+            and not ours.done()
+            and peer not in self._yielding
+            and wins_crossing(self.node.peer_id, peer)
+        )
+
+    @contextlib.contextmanager
+    def _serving(self, peer: PeerID) -> Iterator[None]:
+        """Count a circuit from ``peer`` as being served (see :meth:`dialing_us`)."""
+        self._inbound[peer] = self._inbound.get(peer, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._inbound[peer] - 1
+            if left:
+                self._inbound[peer] = left
+            else:
+                del self._inbound[peer]
+            arrival = self._arrivals.pop(peer, None)
+            if arrival is not None and not arrival.done():
+                arrival.set_result(None)  # a waiter looks at the pool again
+
     async def _accept_relay(
         self, registration: Registration, header: AcceptHeader, stream: RPCStream
     ) -> None:
@@ -469,7 +568,8 @@ class NATService:
             max_header_bytes=conn_config.max_header_bytes,
         )
         try:
-            await self.node._secure(transport, initiator=False, expected=header.peer)
+            with self._serving(header.peer):
+                await self.node.adopt(transport, initiator=False, expected=header.peer)
         except HandshakeError as exc:
             self._refuse_connection(header, exc)
         finally:
@@ -482,6 +582,26 @@ class NATService:
     ) -> None:
         channel = CircuitSignaling(stream)
         first = await channel.expect("path", timeout=self.config.signal_timeout)
+        path = first.get("path")
+        if path in _CROSSABLE and self._refuses_crossing(header.peer):
+            logger.info(
+                "%s <- %s: crossing dial (%s); we dial it ourselves and win (smaller PeerID)",
+                self.node.peer_id.short,
+                header.peer.short,
+                path,
+            )
+            await refuse(channel, "crossing dial: the target dials you and wins", crossing=True)
+            return
+        with self._serving(header.peer):
+            await self._serve_path(registration, header, channel, first)
+
+    async def _serve_path(
+        self,
+        registration: Registration,
+        header: AcceptHeader,
+        channel: CircuitSignaling,
+        first: dict[str, Any],
+    ) -> None:
         path = first.get("path")
         caller = parse_endpoint(header.observed)
         if path == "webrtc":
@@ -497,7 +617,7 @@ class NATService:
                 max_frame_bytes=conn_config.max_frame_bytes,
                 max_header_bytes=conn_config.max_header_bytes,
             )
-            await self.node._secure(transport, initiator=False, expected=header.peer)
+            await self.node.adopt(transport, initiator=False, expected=header.peer)
         elif path == "punch":
             if caller is None or not reuses_port(self.node):
                 await refuse(channel, "the target cannot punch (no shared port or no address)")
@@ -530,7 +650,7 @@ class NATService:
         address = PeerAddress(endpoint[0], endpoint[1], header.peer)
         try:
             async with asyncio.timeout(self.config.direct_timeout + self.config.signal_timeout):
-                conn = await self.node.connect(address)
+                conn = await self.node.connect_direct(address)
                 await conn.call(REVERSED, {}, timeout=self.config.signal_timeout)
         except (P2PTrainError, TimeoutError) as exc:
             await refuse(channel, f"cannot dial back: {exc or 'timed out'}")

@@ -44,7 +44,10 @@ each one is a JSON object of at most
 Refusals are RPC errors: ``unavailable`` (target not registered here),
 ``permission_denied`` (not serving, relaying off, or ``nat.accept`` from a
 peer we are not registered with), ``resource_exhausted`` (full, over a limit),
-``invalid_argument`` (malformed messages).
+``invalid_argument`` (malformed messages). Once a signal circuit is open,
+either end gives up with ``{"type": "error", "reason": ...}``; a target that
+is dialing the caller at the same moment and wins the tie-break adds
+``"crossing": true`` (see :mod:`p2ptrain.nat.service`).
 """
 
 from __future__ import annotations
@@ -112,12 +115,8 @@ _MAX_ADDRESS = 64
 
 
 def connection_of(stream: RPCStream) -> Connection:
-    """The connection a stream belongs to.
-
-    Node hook wanted: RPCStream has no public accessor yet (this reads
-    ``stream._conn``); a handler needs it to learn the caller's source address.
-    """
-    return stream._conn
+    """The connection a stream belongs to (a handler learns the caller's address from it)."""
+    return stream.connection
 
 
 def observed_address(conn: Connection) -> str | None:
@@ -380,6 +379,8 @@ class CircuitSignaling:
 
     def __init__(self, stream: RPCStream) -> None:
         self._stream = stream
+        self.crossed = False
+        """The peer refused the circuit as a crossing dial (see :func:`refuse`)."""
 
     async def send(self, message: dict[str, Any]) -> None:
         try:
@@ -409,6 +410,8 @@ class CircuitSignaling:
             raise RemoteProtocolError(f"a signaling message is not JSON: {exc}") from exc
         if not isinstance(decoded, dict):
             raise RemoteProtocolError("a signaling message must be a JSON object")
+        if decoded.get("type") == "error" and decoded.get("crossing") is True:
+            self.crossed = True  # whoever reads it next (webrtc_connect too) fails as usual
         return decoded
 
     async def expect(self, kind: str, *, timeout: float) -> dict[str, Any]:
@@ -432,10 +435,18 @@ class CircuitSignaling:
         return message
 
 
-async def refuse(channel: CircuitSignaling, reason: str) -> None:
-    """Tell the other side of a signaling circuit why we give up (best effort)."""
+async def refuse(channel: CircuitSignaling, reason: str, *, crossing: bool = False) -> None:
+    """Tell the other side of a signaling circuit why we give up (best effort).
+
+    With ``crossing``, the refusal says we are dialing the caller ourselves and
+    win the tie-break: the caller's :attr:`CircuitSignaling.crossed` is set and
+    it waits for our connection instead of trying its next path.
+    """
+    message: dict[str, Any] = {"type": "error", "reason": reason}
+    if crossing:
+        message["crossing"] = True
     try:
         async with asyncio.timeout(1.0):
-            await channel.send({"type": "error", "reason": reason})
+            await channel.send(message)
     except (P2PTrainError, TimeoutError):
         pass

@@ -5,12 +5,19 @@ call; concurrent dials to the same peer share one attempt; a connection that
 closes leaves the pool; idle ones close themselves (see
 :class:`~p2ptrain.rpc.connection.Connection`). Inbound connections that fail
 the handshake are logged once and dropped; they never disturb the others.
+
+Dialing: :meth:`Node.connect` dials TCP, unless a
+:class:`~p2ptrain.node.router.Router` is installed (:meth:`Node.set_router`,
+e.g. a NAT service): then every dial to a known PeerID goes through it, and
+the router picks the path (a direct dial with :meth:`Node.connect_direct`, or
+a traversal whose transport it hands to :meth:`Node.adopt`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from p2ptrain.errors import HandshakeError, RemoteProtocolError, TransportError
@@ -18,6 +25,7 @@ from p2ptrain.handshake import perform_handshake
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
+from p2ptrain.node.router import Router
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import HandlerTable, Message
 from p2ptrain.rpc.stream import RPCStream
@@ -53,6 +61,7 @@ class Node:
         self._dials: dict[str, asyncio.Task[Connection]] = {}
         self._accepts: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._router: Router | None = None
 
     @property
     def peer_id(self) -> PeerID:
@@ -66,6 +75,32 @@ class Node:
             raise RuntimeError("the node is not started")
         host = self.config.announce_host or self.config.host
         return PeerAddress(host, self._listener.port, self.peer_id)
+
+    @property
+    def listening(self) -> bool:
+        """Whether :meth:`start` opened the listener."""
+        return self._listener is not None
+
+    @property
+    def shares_port(self) -> bool:
+        """Whether the listener is open with ``SO_REUSEPORT`` (``NodeConfig.reuse_port``).
+
+        Outgoing connections can then be opened from the listening port
+        (TCP hole punching needs that).
+        """
+        return self._listener is not None and self.config.reuse_port
+
+    @property
+    def router(self) -> Router | None:
+        """The router dials go through, or None (plain TCP)."""
+        return self._router
+
+    def set_router(self, router: Router | None) -> None:
+        """Send every later dial to a known PeerID through ``router`` (None: plain TCP).
+
+        Connections already pooled stay; dials in progress finish their way.
+        """
+        self._router = router
 
     async def start(self) -> None:
         """Start listening."""
@@ -109,16 +144,41 @@ class Node:
         return conn if conn is not None and not conn.closed and not conn.going_away else None
 
     async def connect(self, target: PeerAddress | str) -> Connection:
-        """The pooled connection to ``target``, dialing it if needed."""
+        """The pooled connection to ``target``, dialing it if needed.
+
+        With a router installed (:meth:`set_router`) and a PeerID in the
+        address, the router makes the connection (see
+        :class:`~p2ptrain.node.router.Router`); otherwise this is
+        :meth:`connect_direct`.
+        """
         address = PeerAddress.parse(target) if isinstance(target, str) else target
+        router = self._router
+        if router is None or address.peer_id is None:
+            return await self.connect_direct(address)
+        return await self._pooled_or_dial(address, "", lambda: router.route(address))
+
+    async def connect_direct(self, target: PeerAddress | str) -> Connection:
+        """The pooled connection to ``target``, dialing its address over TCP if needed.
+
+        Never asks the router: routers dial with this.
+        """
+        address = PeerAddress.parse(target) if isinstance(target, str) else target
+        return await self._pooled_or_dial(address, "tcp:", lambda: self._dial(address))
+
+    async def _pooled_or_dial(
+        self,
+        address: PeerAddress,
+        prefix: str,
+        dial: Callable[[], Coroutine[Any, Any, Connection]],
+    ) -> Connection:
         if address.peer_id is not None:
             existing = self.connection_to(address.peer_id)
             if existing is not None:
                 return existing
-        key = str(address.peer_id) if address.peer_id is not None else address.endpoint
+        key = prefix + (str(address.peer_id) if address.peer_id is not None else address.endpoint)
         task = self._dials.get(key)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._dial(address), name=f"dial:{key}")
+            task = asyncio.get_running_loop().create_task(dial(), name=f"dial:{key}")
             self._dials[key] = task
             task.add_done_callback(lambda _t: self._dials.pop(key, None))
             # Every waiter may have been cancelled: retrieve the outcome so a

@@ -34,6 +34,7 @@ from p2ptrain.allreduce.group import GroupPlan
 from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
 from p2ptrain.allreduce.report import AllReduceReport
 from p2ptrain.errors import ConfigError, MatchmakingError, P2PTrainError
+from p2ptrain.identity import PeerID
 from p2ptrain.peer import Peer
 
 __all__ = ["RoundOutcome", "SwarmAverager", "step_key"]
@@ -81,6 +82,18 @@ class RoundOutcome:
         """Whether the vector was averaged in a group (not a local fallback)."""
         return self.fallback is None
 
+    @property
+    def dropped(self) -> dict[int, str]:
+        """Members the all-reduce reported failed or left out of a shard, with why."""
+        report = self.report
+        if report is None:
+            return {}
+        dropped = dict(report.failed)
+        for shard in report.shards:
+            for index, reason in shard.excluded.items():
+                dropped.setdefault(index, f"left out of member {shard.owner}'s shard: {reason}")
+        return dropped
+
 
 class SwarmAverager:
     """Averages a flat vector with the swarm at each step; one per trainer.
@@ -100,6 +113,7 @@ class SwarmAverager:
         self._matchmaker: Matchmaker = peer.matchmaker
         self._base: MatchmakingConfig = self._matchmaker.config
         self._pending: tuple[int, asyncio.Task[GroupPlan], float] | None = None
+        self._last_members: tuple[PeerID, ...] = ()
 
     @property
     def deadline(self) -> float:
@@ -179,10 +193,6 @@ class SwarmAverager:
             )
         finished = time.perf_counter()
         self.peer.throughput.record_round(report)
-        if not report.complete:
-            logger.warning(
-                "step %d: incomplete all-reduce; failed members: %s", step, report.failed
-            )
         outcome = RoundOutcome(
             step=step,
             group_size=plan.size,
@@ -195,6 +205,7 @@ class SwarmAverager:
             bytes_received=report.bytes_received,
             report=report,
         )
+        _log_round(outcome, plan)
         return averaged, outcome
 
     async def aclose(self) -> None:
@@ -214,10 +225,49 @@ class SwarmAverager:
         self._matchmaker.config = dataclasses.replace(base, target_group_size=size)
         logger.debug("%s: matchmaking for step %d, group of %d", self.peer.peer_id, step, size)
         limit = base.window + 2 * base.ready_timeout + base.plan_timeout
+        key = step_key(self.run_id, step)
         try:
             async with asyncio.timeout(limit):
-                return await self._matchmaker.form_group(
-                    step_key(self.run_id, step), num_elements=num_elements, target_batch_size=1
+                plan = await self._matchmaker.form_group(
+                    key, num_elements=num_elements, target_batch_size=1
                 )
         except TimeoutError:
             raise MatchmakingError(f"no group for step {step} within {limit:.1f} s") from None
+        # INFO when the group changes; the same members again are routine.
+        members = tuple(m.peer_id for m in plan.members)
+        level = logging.DEBUG if members == self._last_members else logging.INFO
+        self._last_members = members
+        names = ", ".join(m.short for m in members)
+        logger.log(level, "found a group of %d for %s: %s", plan.size, key, names)
+        return plan
+
+
+def _log_round(outcome: RoundOutcome, plan: GroupPlan) -> None:
+    """One line for the round (a warning if incomplete), one per dropped member."""
+    report = outcome.report
+    if report is None:
+        return
+    predicted = "none" if report.predicted_s is None else _seconds(report.predicted_s)
+    logger.log(
+        logging.INFO if report.complete else logging.WARNING,
+        "step %d: averaged%s in a group of %d in %s (predicted %s); sent %s, received %s",
+        outcome.step,
+        "" if report.complete else " only partly",
+        plan.size,
+        _seconds(report.total_s),
+        predicted,
+        _megabytes(report.bytes_sent),
+        _megabytes(report.bytes_received),
+    )
+    for index, reason in sorted(outcome.dropped.items()):
+        logger.info(
+            "step %d: peer %s dropped: %s", outcome.step, plan.members[index].peer_id.short, reason
+        )
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3g} s"
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.2f} MB"

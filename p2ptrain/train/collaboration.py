@@ -17,9 +17,10 @@ networking on the peer's loop through :meth:`~p2ptrain.peer.Peer.run`:
 * a :class:`~p2ptrain.train.state_sync.StateServer` serves the trainer's own
   snapshots to others.
 
-It also keeps the figures of :class:`TrainerStats` and, if given a
+It also keeps the figures of :class:`TrainerStats` and of its all-reduce
+rounds (:class:`~p2ptrain.train.round_stats.RoundStats`) and, if given a
 :class:`~p2ptrain.metrics.Metrics` registry, records them there (only from
-the training thread).
+the training thread) and registers a collector of the rounds' figures.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ import torch
 
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.errors import ConfigError, StateSyncError
-from p2ptrain.metrics import Metrics
+from p2ptrain.metrics import Metrics, allreduce_collector
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.peer import Peer
 from p2ptrain.train.averaging import RoundOutcome, SwarmAverager
 from p2ptrain.train.policy import Action, decide, step_is_near
 from p2ptrain.train.progress import ProgressConfig, RateMeter, SwarmProgress
+from p2ptrain.train.round_stats import RoundStats
 from p2ptrain.train.state import TrainingSnapshot
 from p2ptrain.train.state_sync import StateServer, StateSyncConfig, download_state
 from p2ptrain.train.tracker import ProgressTracker
@@ -156,6 +158,8 @@ class Collaboration:
             config=settings.progress,
             target_batch_size=settings.target_batch_size,
             address=None if peer.client_mode else peer.address,
+            reach=peer.reach,
+            bandwidth=lambda: _bandwidth(peer),
         )
         self._server: StateServer | None = None
         self._rate = RateMeter(settings.progress.smoothing)
@@ -163,6 +167,9 @@ class Collaboration:
         self._fresh = False
         self._sync_retry_at = 0.0
         self._stats = TrainerStats()
+        self.round_stats = RoundStats()
+        if metrics is not None:
+            metrics.add_collector(allreduce_collector(self.round_stats))
         self._started = False
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -187,6 +194,13 @@ class Collaboration:
         self._fresh = view.global_step > step
         self._stats = dataclasses.replace(self._stats, global_step=step)
         self._computing_since = time.perf_counter()
+        logger.info(
+            "training run %r from step %d: %d peers online, swarm at global step %d",
+            self.settings.run_id,
+            step,
+            view.peers_online,
+            view.global_step,
+        )
         return view
 
     def close(self) -> None:
@@ -329,6 +343,7 @@ class Collaboration:
             matchmaking_s=outcome.matchmaking_s,
             allreduce_s=outcome.allreduce_s,
         )
+        self.round_stats.record(outcome)
         if self.metrics is not None:
             labels = {"outcome": "group" if outcome.averaged else "local"}
             self.metrics.inc("train_rounds_total", 1, labels)
@@ -347,6 +362,7 @@ class Collaboration:
         self._computing_since = time.perf_counter()  # averaging is not computing
         if self.metrics is not None:
             self.metrics.set("train_global_step", step)
+        logger.info("global step advanced to %d", step)
 
     def moved_past(self, step: int) -> bool:
         """Whether some peer already finished ``step`` (reads the swarm's records now)."""
@@ -422,3 +438,9 @@ class Collaboration:
             self.metrics.set("train_swarm_samples_per_s", view.samples_per_s)
             self.metrics.set("train_peers_online", view.peers_online)
             self.metrics.set("train_swarm_global_step", view.global_step)
+
+
+def _bandwidth(peer: Peer) -> tuple[float, float]:
+    """The (upload, download) bytes per second the load balancer uses for ``peer``."""
+    capacity = peer.capacity()
+    return capacity.upload_bytes_per_s, capacity.download_bytes_per_s

@@ -107,6 +107,11 @@ class PeerProgress:
         blocked: It accumulated all it may for this step and waits for the swarm.
         address: Where it serves its state (``peerid@host:port``), or ``None``
             in client mode.
+        reach: How others reach it: ``public``, ``nat:<kind>`` (with NAT
+            traversal), ``direct`` (plain TCP), or ``None`` if it did not say.
+        upload_bytes_per_s: Its upload bandwidth as the load balancer sees it
+            (measured, or announced), or ``None`` if it did not say.
+        download_bytes_per_s: The same for download.
     """
 
     peer_id: PeerID
@@ -116,6 +121,9 @@ class PeerProgress:
     time: float
     blocked: bool = False
     address: str | None = None
+    reach: str | None = None
+    upload_bytes_per_s: float | None = None
+    download_bytes_per_s: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the PeerID is the sub-key's owner)."""
@@ -126,6 +134,9 @@ class PeerProgress:
             "t": self.time,
             "b": self.blocked,
             "a": self.address,
+            "q": self.reach,
+            "u": self.upload_bytes_per_s,
+            "d": self.download_bytes_per_s,
         }
 
     @classmethod
@@ -149,6 +160,10 @@ class PeerProgress:
                 raise RemoteProtocolError(f"bad progress address: {exc}") from exc
             if parsed.peer_id not in (None, peer_id):
                 raise RemoteProtocolError("the progress address names another peer")
+        reach = value.get("q")
+        if reach is not None and not (isinstance(reach, str) and len(reach) <= 32):
+            raise RemoteProtocolError("progress reach must be a short string")
+        upload, download = value.get("u"), value.get("d")
         return cls(
             peer_id=peer_id,
             step=_wire_int(value.get("s"), "step"),
@@ -157,6 +172,9 @@ class PeerProgress:
             time=_wire_float(value.get("t"), "time"),
             blocked=blocked,
             address=address,
+            reach=reach,
+            upload_bytes_per_s=None if upload is None else _wire_float(upload, "upload"),
+            download_bytes_per_s=None if download is None else _wire_float(download, "download"),
         )
 
 

@@ -85,6 +85,9 @@ class ProgressTracker:
         config: Publication and read intervals.
         target_batch_size: Samples a step needs (``None``: wait for all to block).
         address: Where this peer serves its state, or ``None`` (client mode).
+        reach: How others reach this peer (see :attr:`PeerProgress.reach`).
+        bandwidth: Returns this peer's (upload, download) bytes per second as
+            the load balancer sees them; read at each report.
         clock: Unix time; records carry it.
     """
 
@@ -96,6 +99,8 @@ class ProgressTracker:
         config: ProgressConfig,
         target_batch_size: int | None,
         address: str | None,
+        reach: str | None = None,
+        bandwidth: Callable[[], tuple[float, float]] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.dht = dht
@@ -105,7 +110,9 @@ class ProgressTracker:
         self._clock = clock
         self._subkey = dht.owned_key(PROGRESS_SUBKEY)
         self._address = address
-        self._local = PeerProgress(dht.peer_id, 0, 0, 0.0, clock(), False, address)
+        self._reach = reach
+        self._bandwidth = bandwidth
+        self._local = self._record(step=0, samples=0, samples_per_s=0.0, blocked=False)
         self._remote: tuple[PeerProgress, ...] = ()
         self._published: PeerProgress | None = None
         self._published_at = -float("inf")
@@ -124,9 +131,7 @@ class ProgressTracker:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._fetched = asyncio.Event()
-        self._local = PeerProgress(
-            self.dht.peer_id, step, 0, 0.0, self._clock(), False, self._address
-        )
+        self._local = self._record(step=step, samples=0, samples_per_s=0.0, blocked=False)
         await self._publish()
         await self._fetch()
         self._task = self._loop.create_task(self._run(), name=f"progress:{self.key}")
@@ -143,10 +148,29 @@ class ProgressTracker:
 
     def report(self, *, step: int, samples: int, samples_per_s: float, blocked: bool) -> None:
         """Record this peer's latest progress (thread-safe; published in the background)."""
-        self._local = PeerProgress(
-            self.dht.peer_id, step, samples, samples_per_s, self._clock(), blocked, self._address
+        self._local = self._record(
+            step=step, samples=samples, samples_per_s=samples_per_s, blocked=blocked
         )
         self._poke()
+
+    def _record(
+        self, *, step: int, samples: int, samples_per_s: float, blocked: bool
+    ) -> PeerProgress:
+        upload = download = None
+        if self._bandwidth is not None:
+            upload, download = self._bandwidth()
+        return PeerProgress(
+            self.dht.peer_id,
+            step,
+            samples,
+            samples_per_s,
+            self._clock(),
+            blocked,
+            self._address,
+            reach=self._reach,
+            upload_bytes_per_s=upload,
+            download_bytes_per_s=download,
+        )
 
     def set_waiting(self, waiting: bool) -> None:
         """Tell the tracker this peer waits for the swarm (it then reads more often)."""
