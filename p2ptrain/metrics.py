@@ -34,6 +34,7 @@ from p2ptrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from p2ptrain.dht.node import DHTNode
+    from p2ptrain.nat.service import NATService
     from p2ptrain.train.round_stats import RoundStats
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Sample",
     "allreduce_collector",
     "dht_collector",
+    "nat_collector",
     "node_collector",
 ]
 
@@ -77,6 +79,13 @@ HELP: dict[str, str] = {
     "p2ptrain_allreduce_bytes_sent_total": "Tensor bytes sent by all-reduce rounds.",
     "p2ptrain_allreduce_bytes_received_total": "Tensor bytes received by all-reduce rounds.",
     "p2ptrain_allreduce_peers_dropped_total": "Group members reported failed or excluded.",
+    # nat_collector
+    "p2ptrain_nat_traversals_total": "NAT traversals that connected, by the path they took.",
+    "p2ptrain_nat_traversal_failures_total": "NAT traversals in which every path failed.",
+    "p2ptrain_nat_fallbacks_total": "Cheaper paths skipped or failed during traversals, by path.",
+    "p2ptrain_nat_crossing_dials_total": "Traversals that kept a simultaneous dial's connection.",
+    "p2ptrain_nat_traversal_seconds": "Seconds the traversals that connected took.",
+    "p2ptrain_nat_refused_total": "Traversed connections refused at the handshake.",
     # recorded by the trainer (p2ptrain.train.collaboration)
     "train_samples_total": "Samples this peer computed.",
     "train_samples_per_s": "This peer's recent samples per second.",
@@ -312,6 +321,35 @@ def dht_collector(node: DHTNode) -> Callable[[], list[Sample]]:
         for method, count in sorted(dict(stats.served).items()):
             labels = {"method": method}
             samples.append(Sample("p2ptrain_dht_requests_served_total", count, labels, "counter"))
+        return samples
+
+    return collect
+
+
+def nat_collector(service: NATService) -> Callable[[], list[Sample]]:
+    """A collector of a peer's NAT traversals: paths taken, fallbacks, failures.
+
+    Use ``metrics.add_collector(nat_collector(peer.nat))`` on a peer running
+    NAT traversal.
+    """
+    stats = service.stats
+
+    def collect() -> list[Sample]:
+        def counter(name: str, value: float, labels: Mapping[str, str] | None = None) -> Sample:
+            return Sample(name, value, labels or {}, "counter")
+
+        connected = dict(stats.connected)
+        samples = [
+            counter("p2ptrain_nat_traversal_failures_total", stats.failed),
+            counter("p2ptrain_nat_crossing_dials_total", stats.crossing),
+            counter("p2ptrain_nat_traversal_seconds_count", sum(connected.values())),
+            counter("p2ptrain_nat_traversal_seconds_sum", stats.seconds),
+            counter("p2ptrain_nat_refused_total", service.refused),
+        ]
+        for path, count in sorted(connected.items()):
+            samples.append(counter("p2ptrain_nat_traversals_total", count, {"path": path}))
+        for attempt, count in sorted(dict(stats.fallbacks).items()):
+            samples.append(counter("p2ptrain_nat_fallbacks_total", count, {"path": attempt}))
         return samples
 
     return collect

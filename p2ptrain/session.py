@@ -271,6 +271,7 @@ def run_training_peer(
         Metrics,
         MetricsServer,
         dht_collector,
+        nat_collector,
         node_collector,
     )
     from p2ptrain.peer import Peer, PeerConfig  # noqa: PLC0415
@@ -308,6 +309,8 @@ def run_training_peer(
     with Peer(peer_config) as peer:
         metrics.add_collector(node_collector(peer.node))
         metrics.add_collector(dht_collector(peer.dht.dht_node))
+        if peer.nat is not None:
+            metrics.add_collector(nat_collector(peer.nat))
         server: MetricsServer | None = None
         if config.metrics_port is not None:
             server = MetricsServer(metrics, port=config.metrics_port)

@@ -26,6 +26,7 @@ from p2ptrain import aio
 from p2ptrain.allreduce.group import GroupPlan
 from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.dht.node_config import DHTNodeConfig
+from p2ptrain.metrics import nat_collector
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.stun import stun_query
 from p2ptrain.node.config import NodeConfig
@@ -164,6 +165,12 @@ def test_two_nated_peers_average_through_the_router(natlab: NatLab, peers: dict[
     ]
     assert made and all(t.path == "tcp-holepunch" for t in made), made
     assert all("behind NAT" in t.attempts["tcp-direct"] for t in made)  # no address published
+    # The metrics count what the traversals did: the path taken, the direct dial skipped.
+    samples = [s for peer in (a, b) if peer.nat is not None for s in nat_collector(peer.nat)()]
+    taken = [s for s in samples if s.name == "p2ptrain_nat_traversals_total"]
+    assert taken and {s.labels["path"] for s in taken} == {"tcp-holepunch"}, samples
+    skipped = {s.labels["path"] for s in samples if s.name == "p2ptrain_nat_fallbacks_total"}
+    assert "tcp-direct" in skipped, samples
     figures = ", ".join(f"{t.attempt} in {t.seconds * 1000:.0f} ms" for t in made)
     print(f"\nFIGURE peers a<->b averaged; connected over tcp-holepunch ({figures})")
     for me, other in ((a, b), (b, a)):

@@ -51,6 +51,7 @@ from p2ptrain.errors import (
     ConnectError,
     HandshakeError,
     InvalidArgumentError,
+    NATTraversalError,
     P2PTrainError,
     PermissionDeniedError,
     TransportTimeoutError,
@@ -79,6 +80,7 @@ from p2ptrain.nat.signaling import (
     refuse,
     register,
 )
+from p2ptrain.nat.stats import TraversalStats
 from p2ptrain.nat.stun import StunResponder, start_stun_responder
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
@@ -146,6 +148,8 @@ class NATService:
         self._publish_failed = False
         self._task: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
+        self.stats = TraversalStats()
+        """Counters of this peer's traversals (for metrics)."""
         self.refused = 0
         """Incoming connections refused because the handshake failed."""
         self.record_listeners: list[Callable[[PeerRecord], None]] = []
@@ -240,7 +244,17 @@ class NATService:
             )
             self._traversals[peer] = task
             task.add_done_callback(lambda _: self._traversals.pop(peer, None))
+            task.add_done_callback(self._count)
         return await asyncio.shield(task)
+
+    def _count(self, task: asyncio.Task[Traversal]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            self.stats.record(task.result())
+        elif isinstance(exc, NATTraversalError):
+            self.stats.record_failure(exc.attempts)
 
     async def connect(self, peer: PeerID, *, config: NATConfig | None = None) -> Connection:
         """The connection to ``peer`` (see :meth:`traverse`)."""

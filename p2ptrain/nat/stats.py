@@ -1,0 +1,48 @@
+"""Counters of one peer's NAT traversals, for metrics (see :func:`p2ptrain.metrics.nat_collector`).
+
+Plain integers bumped on the event loop; a snapshot from another thread may
+be one traversal behind, never torn.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from p2ptrain.nat.paths import CROSSING, Traversal
+
+__all__ = ["TraversalStats"]
+
+
+@dataclass
+class TraversalStats:
+    """What this peer's traversals did.
+
+    Attributes:
+        connected: Traversals that made a connection, by the path it took.
+        fallbacks: Cheaper attempts skipped or failed before the one that
+            worked (or before all failed), by attempt.
+        failed: Traversals in which every attempt failed.
+        crossing: Traversals that kept the connection of a peer dialing us at once.
+        seconds: Summed duration of the traversals that connected.
+    """
+
+    connected: Counter[str] = field(default_factory=Counter)
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    failed: int = 0
+    crossing: int = 0
+    seconds: float = 0.0
+
+    def record(self, traversal: Traversal) -> None:
+        """Count a traversal that connected (``pooled`` ones made nothing new)."""
+        if traversal.attempt == "pooled":
+            return
+        self.connected[traversal.path] += 1
+        self.fallbacks.update(a for a in traversal.attempts if a != CROSSING)
+        self.crossing += traversal.crossing
+        self.seconds += traversal.seconds
+
+    def record_failure(self, attempts: dict[str, str]) -> None:
+        """Count a traversal in which every attempt (the keys of ``attempts``) failed."""
+        self.failed += 1
+        self.fallbacks.update(attempts)
