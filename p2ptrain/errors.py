@@ -8,6 +8,7 @@ translated at the I/O edge and chained with ``raise ... from``.
 
     P2PTrainError
     ├── ConfigError                      bad argument or config value (ValueError too)
+    ├── MissingDependencyError           an optional extra is not installed (ImportError too)
     ├── IdentityError                    unreadable key file, bad public key
     ├── ProtocolError                    a frame or message breaks the wire protocol
     │   ├── LocalProtocolError           we were asked to send something invalid
@@ -65,6 +66,7 @@ __all__ = [
     "LookupFailedError",
     "MatchmakingError",
     "MethodNotFoundError",
+    "MissingDependencyError",
     "NATTraversalError",
     "P2PTrainError",
     "PeerDroppedError",
@@ -93,6 +95,10 @@ class P2PTrainError(Exception):
 
 class ConfigError(P2PTrainError, ValueError):
     """A configuration value or argument is invalid."""
+
+
+class MissingDependencyError(P2PTrainError, ImportError):
+    """An optional extra (``p2ptrain[plot]``, say) is needed and not installed."""
 
 
 class IdentityError(P2PTrainError):

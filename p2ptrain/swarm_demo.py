@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import ConfigError, MissingDependencyError
 
 __all__ = [
     "PeerRun",
@@ -156,13 +156,15 @@ class SwarmDemoResult:
 
     Attributes:
         runs: Every peer's run.
-        png: The plot written, or ``None`` if there was nothing to plot.
+        png: The plot written, or ``None`` (then ``png_note`` says why).
         wall_s: Seconds the demo took.
+        png_note: Why there is no plot, when there is none.
     """
 
     runs: tuple[PeerRun, ...]
     png: Path | None
     wall_s: float
+    png_note: str = "nothing to plot"
 
     @property
     def ok(self) -> bool:
@@ -349,8 +351,11 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
     wall = time.monotonic() - origin
     if config.log_dir is not None:
         _save_logs(runs, Path(config.log_dir))
-    png = plot_loss(runs, Path(config.png))
-    result = SwarmDemoResult(runs=runs, png=png, wall_s=wall)
+    try:
+        png, note = plot_loss(runs, Path(config.png)), "nothing to plot"
+    except MissingDependencyError as exc:
+        png, note = None, str(exc)
+    result = SwarmDemoResult(runs=runs, png=png, wall_s=wall, png_note=note)
     say(format_summary(result, config))
     return result
 
@@ -374,10 +379,19 @@ def _save_logs(runs: Sequence[PeerRun], directory: Path) -> None:
 
 
 def plot_loss(runs: Sequence[PeerRun], path: Path) -> Path | None:
-    """Write a PNG of every peer's loss against time; ``None`` if no loss was logged."""
+    """Write a PNG of every peer's loss against time; ``None`` if no loss was logged.
+
+    Raises:
+        MissingDependencyError: matplotlib (the ``plot`` extra) is not installed.
+    """
     if not any(run.losses for run in runs):
         return None
-    import matplotlib  # noqa: PLC0415 - slow import
+    try:
+        import matplotlib  # noqa: PLC0415 - slow import
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "skipped: matplotlib is not installed (pip install 'p2ptrain[plot]')"
+        ) from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -470,6 +484,6 @@ def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
     for run in result.runs:
         if run.returncode != 0 and run.stderr:
             lines.append(f"{run.name} stderr: {run.stderr[-1]}")
-    lines.append(f"loss plot: {result.png}" if result.png else "loss plot: nothing to plot")
+    lines.append(f"loss plot: {result.png or result.png_note}")
     lines.append("demo OK" if result.ok else "demo FAILED (see above)")
     return "\n".join(lines)

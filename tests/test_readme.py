@@ -18,6 +18,8 @@ def test_readme_opens_with_run_and_test_commands() -> None:
     assert run_command.endswith("p2ptrain demo")
     assert "constraints.txt" in run_command and "constraints.txt" in test_command
     assert "pytest" in test_command
+    # the demo writes a loss plot: the run command installs the extra that draws it
+    assert '-e ".[plot]"' in run_command
 
 
 def test_ci_runs_the_readme_test_command() -> None:

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.errors import ConfigError
-from p2ptrain.swarm_demo import PeerRun, SwarmDemoConfig, SwarmDemoResult, format_summary
+from p2ptrain.errors import ConfigError, MissingDependencyError
+from p2ptrain.swarm_demo import (
+    PeerRun,
+    SwarmDemoConfig,
+    SwarmDemoResult,
+    format_summary,
+    plot_loss,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -58,3 +64,16 @@ def test_summary_of_a_failed_run_says_so() -> None:
     result = SwarmDemoResult(runs=(run,), png=None, wall_s=1.0)
     text = format_summary(result, SwarmDemoConfig(peers=2))
     assert not result.ok and "demo FAILED" in text and "boom" in text
+
+
+def test_without_matplotlib_the_demo_skips_its_plot_and_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = PeerRun(name="peer-0", upload_mbit=10, download_mbit=20, late=False, returncode=0)
+    run.events.append({"event": "progress", "t": 1.0, "loss": 4.2})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(MissingDependencyError, match=r"p2ptrain\[plot\]"):
+        plot_loss([run], tmp_path / "loss.png")
+    assert not (tmp_path / "loss.png").exists()
+    result = SwarmDemoResult(runs=(run,), png=None, wall_s=1.0, png_note="skipped: no plot")
+    assert "loss plot: skipped: no plot" in format_summary(result, SwarmDemoConfig(peers=2))
