@@ -160,16 +160,18 @@ def _build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
-        help="train the charlm example with a swarm (one peer)",
+        help="train a model with a swarm (one peer; the charlm example by default)",
         description=(
-            "Join a swarm through --join and train the character model of "
-            "examples/charlm with a collaborative optimizer, showing samples/s, the "
-            "global step, the loss and the peers online on one line."
+            "Join a swarm through --join and train with a collaborative optimizer "
+            "the character model of examples/charlm, or your own model with --task, "
+            "showing samples/s, the global step, the loss and the peers online on one line."
         ),
         epilog=(
             "example: p2ptrain train --join PEERID@203.0.113.7:4001 --seconds 600 "
-            "--upload-mbit 20 --download-mbit 100 --log-json train.jsonl"
+            "--upload-mbit 20 --download-mbit 100 --log-json train.jsonl\n"
+            "         p2ptrain train --join PEERID@203.0.113.7:4001 --task my_task.py"
         ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_node_flags(train, default_port=0)
     _add_join_flags(train)
@@ -188,6 +190,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--log-json", metavar="PATH", help="append JSON event lines to PATH ('-': stdout)"
+    )
+    train.add_argument(
+        "--task",
+        metavar="MODULE",
+        help="what to train: a module name or .py file defining make_task() "
+        "(see p2ptrain/task.py; default: the charlm example)",
     )
     nat_train = train.add_argument_group("NAT traversal")
     nat_train.add_argument(
@@ -389,6 +397,7 @@ def _run_train(args: argparse.Namespace) -> int:
         node=_node_config(args),
         identity_path=args.identity,
         nat=_train_nat_config(args),
+        task=args.task,
     )
     with contextlib.ExitStack() as stack:
         log = None

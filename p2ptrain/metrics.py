@@ -58,8 +58,8 @@ Labels = tuple[tuple[str, str], ...]
 HELP: dict[str, str] = {
     # node_collector
     "p2ptrain_connections_open": "Connections open now.",
-    "p2ptrain_path_bytes_sent": "Bytes sent on the connections open now, by transport path.",
-    "p2ptrain_path_bytes_received": "Bytes received on the connections open now, by path.",
+    "p2ptrain_path_bytes_sent_total": "Bytes sent since the node started, by transport path.",
+    "p2ptrain_path_bytes_received_total": "Bytes received since the node started, by path.",
     # dht_collector
     "p2ptrain_dht_requests_total": "DHT requests sent, by method.",
     "p2ptrain_dht_request_failures_total": "DHT requests that failed, by method and reason.",
@@ -280,15 +280,18 @@ class _TrafficSource(Protocol):
 def node_collector(node: _TrafficSource) -> Callable[[], list[Sample]]:
     """A collector of a node's open connections and their bytes per path.
 
-    Use ``metrics.add_collector(node_collector(node))``. Bytes count the
-    connections open at snapshot time (closed ones drop out).
+    Use ``metrics.add_collector(node_collector(node))``. Bytes are
+    counters since the node started (closed connections keep counting).
     """
 
     def collect() -> list[Sample]:
         samples = [Sample("p2ptrain_connections_open", len(node.connections()))]
         for path, (sent, received) in sorted(node.traffic_by_path().items()):
-            samples.append(Sample("p2ptrain_path_bytes_sent", sent, {"path": path}))
-            samples.append(Sample("p2ptrain_path_bytes_received", received, {"path": path}))
+            labels = {"path": path}
+            samples.append(Sample("p2ptrain_path_bytes_sent_total", sent, labels, "counter"))
+            samples.append(
+                Sample("p2ptrain_path_bytes_received_total", received, labels, "counter")
+            )
         return samples
 
     return collect

@@ -15,16 +15,13 @@ client, reads the run's progress records and formats one row per live peer.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from p2ptrain.errors import ConfigError, DHTError
@@ -43,7 +40,6 @@ __all__ = [
     "TrainingSummary",
     "format_status",
     "json_lines_logger",
-    "load_charlm",
     "read_nat_records",
     "read_progress",
     "run_training_peer",
@@ -117,6 +113,7 @@ class TrainingSessionConfig:
         )
     )
     nat: NATConfig | None = None
+    task: str | None = None
 
     def __post_init__(self) -> None:
         owner = "TrainingSessionConfig"
@@ -134,6 +131,8 @@ class TrainingSessionConfig:
         _number(owner, "log_interval", self.log_interval, low=0.0, allow_none=False)
         if not isinstance(self.node, NodeConfig):
             raise ConfigError(f"{owner}.node must be a NodeConfig")
+        if self.task is not None and (not isinstance(self.task, str) or not self.task):
+            raise ConfigError(f"{owner}.task must be a module name or a .py path")
         if not isinstance(self.progress, ProgressConfig):
             raise ConfigError(f"{owner}.progress must be a ProgressConfig")
         if self.nat is not None:
@@ -170,28 +169,6 @@ class TrainingSummary:
     rounds: int
     local_rounds: int
     syncs: int
-
-
-def load_charlm() -> tuple[ModuleType, ModuleType]:
-    """Import ``examples.charlm.data`` and ``examples.charlm.model`` from the checkout.
-
-    ``examples/`` is not installed with the package; it is found beside the
-    ``p2ptrain`` directory.
-
-    Raises:
-        ConfigError: The example is not there (not a source checkout).
-    """
-    if not (REPO_ROOT / "examples" / "charlm" / "model.py").is_file():
-        raise ConfigError(
-            f"the charlm example was not found under {REPO_ROOT / 'examples'} "
-            "(`p2ptrain train` needs a source checkout)"
-        )
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    return (
-        importlib.import_module("examples.charlm.data"),
-        importlib.import_module("examples.charlm.model"),
-    )
 
 
 def _shard_of(peer_id: PeerID) -> int:
@@ -275,15 +252,14 @@ def run_training_peer(
         node_collector,
     )
     from p2ptrain.peer import Peer, PeerConfig  # noqa: PLC0415
+    from p2ptrain.task import load_task, lr_schedule  # noqa: PLC0415 - imports torch
     from p2ptrain.train import CollaborativeOptimizer, TrainerConfig  # noqa: PLC0415
 
-    data, charlm = load_charlm()
+    task = load_task(config.task)
     emit = log or (lambda event: None)
     torch.set_num_threads(1)
-    model_config = charlm.ModelConfig()
-    model = charlm.make_model(model_config)
-    inner = charlm.make_optimizer(model)
-    sampler = data.load_corpus().sampler(seq_len=model_config.context, seed=0)
+    inner = task.optimizer
+    schedule = lr_schedule(task)
 
     throughput = ThroughputConfig(
         upload_bytes_per_s=None if config.upload_mbit is None else config.upload_mbit * _MBIT,
@@ -375,11 +351,12 @@ def run_training_peer(
                             )
                         )
                         next_log = now + config.log_interval
-                    batch = sampler.batch(
+                    schedule(trainer.global_step)
+                    batch = task.batch(
                         local, config.batch_size, shard=shard, num_shards=_NUM_SHARDS
                     )
-                    value = charlm.loss(model, batch)
-                    value.backward()
+                    value = task.loss(batch)
+                    value.backward()  # type: ignore[no-untyped-call]  # torch stubs leave it untyped
                     last_loss = float(value.item())
                     local += 1
                     window_samples += config.batch_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import queue
 import subprocess
@@ -9,9 +10,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from test_task import documented_example
 
 from p2ptrain.cli import main
 from p2ptrain.errors import ConfigError
@@ -32,7 +35,10 @@ class Proc:
             text=True,
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: collections.deque[str] = collections.deque(maxlen=200)
         threading.Thread(target=self._read, daemon=True).start()
+        # Drain stderr too: a full pipe would block the process's logging.
+        threading.Thread(target=self._read_stderr, daemon=True).start()
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -40,11 +46,15 @@ class Proc:
             self.lines.put(line)
         self.lines.put(None)
 
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        self.stderr.extend(self.process.stderr)
+
     def next_line(self, deadline: float) -> str:
         line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
         if line is None:
-            err = self.process.stderr.read() if self.process.stderr else ""
-            raise AssertionError(f"process exited: {err[-2000:]}")
+            self.process.wait(5)
+            raise AssertionError(f"process exited: {''.join(self.stderr)[-2000:]}")
         return line
 
     def stop(self) -> None:
@@ -161,3 +171,26 @@ def test_format_status_orders_by_step() -> None:
     assert "2.5/10.0" in lines[3] and "up/down MB/s" in lines[1]
     assert lines[4].startswith(a.short) and "client mode" in lines[4]
     assert "1.0s ago" in lines[4]
+
+
+def test_train_runs_a_users_task_module(procs: list[Proc], tmp_path: Path) -> None:
+    task_file = tmp_path / "my_task.py"
+    task_file.write_text(documented_example())
+    deadline = time.monotonic() + 60
+    boot = Proc("bootstrap", "--port", "0")
+    procs.append(boot)
+    assert "ready" in boot.next_line(deadline)
+    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+    peer = Proc(
+        "train", "--join", address, "--run-id", "own", "--task", str(task_file),
+        "--seconds", "6", "--target-batch-size", "32", "--batch-size", "16",
+        "--log-json", "-",
+    )  # fmt: skip
+    procs.append(peer)
+    events = []
+    while not events or events[-1]["event"] != "end":
+        events.append(json.loads(peer.next_line(deadline)))
+    end = events[-1]
+    assert end["global_step"] >= 2 and end["local_steps"] >= 4, end
+    # The linear model learns its target (the untrained loss is about |w|^2, ~8).
+    assert end["loss"] < 1e-3, end

@@ -62,6 +62,7 @@ class Node:
         self._accepts: set[asyncio.Task[None]] = set()
         self._closing = False
         self._router: Router | None = None
+        self._closed_traffic: dict[str, tuple[int, int]] = {}
 
     @property
     def peer_id(self) -> PeerID:
@@ -130,8 +131,8 @@ class Node:
         return [c for c in self._by_peer.values() if not c.closed]
 
     def traffic_by_path(self) -> dict[str, tuple[int, int]]:
-        """Bytes (sent, received) over the open connections, per transport path."""
-        totals: dict[str, tuple[int, int]] = {}
+        """Bytes (sent, received) per transport path since the start, closed connections too."""
+        totals = dict(self._closed_traffic)
         for conn in self._all:
             sent, received = totals.get(conn.path, (0, 0))
             stats = conn.transport.stats
@@ -311,6 +312,13 @@ class Node:
         logger.debug("connected to %s via %s", conn.remote_peer.short, conn.path)
 
     def _forget(self, conn: Connection) -> None:
+        if conn in self._all:
+            sent, received = self._closed_traffic.get(conn.path, (0, 0))
+            stats = conn.transport.stats
+            self._closed_traffic[conn.path] = (
+                sent + stats.bytes_sent,
+                received + stats.bytes_received,
+            )
         self._all.discard(conn)
         if self._by_peer.get(conn.remote_peer) is conn:
             del self._by_peer[conn.remote_peer]

@@ -362,7 +362,7 @@ class Collaboration:
         self._computing_since = time.perf_counter()  # averaging is not computing
         if self.metrics is not None:
             self.metrics.set("train_global_step", step)
-        logger.info("global step advanced to %d", step)
+        logger.debug("global step advanced to %d", step)  # the "averaged" line says it at INFO
 
     def moved_past(self, step: int) -> bool:
         """Whether some peer already finished ``step`` (reads the swarm's records now)."""

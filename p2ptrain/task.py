@@ -1,0 +1,162 @@
+"""What ``p2ptrain train`` trains: the charlm example, or a task of your own.
+
+A *task* is a model, its optimizer, a way to draw batches and a loss. A
+module (an importable name, or a path to a ``.py`` file) passed with
+``p2ptrain train --task`` defines ``make_task()`` returning an object with
+these members (see :class:`TrainingTask`)::
+
+    # my_task.py
+    import torch
+
+    class LinearTask:
+        def __init__(self) -> None:
+            self.model = torch.nn.Linear(8, 1)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+            self._w = torch.randn(8, 1, generator=torch.Generator().manual_seed(0))
+
+        def batch(self, index: int, batch_size: int, *, shard: int, num_shards: int):
+            seed = (index * num_shards + shard) % 2**63
+            x = torch.randn(batch_size, 8, generator=torch.Generator().manual_seed(seed))
+            return x, x @ self._w
+
+        def loss(self, batch) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.model(x), y)
+
+    def make_task() -> LinearTask:
+        return LinearTask()
+
+Every peer builds the task the same way, so the models start equal (a late
+joiner downloads the swarm's state anyway). ``batch`` gets the peer's shard
+(from its PeerID) so that peers draw different data. A task may also define
+``lr_scale(global_step) -> float``: the swarm-wide learning-rate schedule (a
+warm-up, say), a factor on each parameter group's initial rate, read by
+every peer before each local batch so that all peers step alike.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+import torch
+
+from p2ptrain.errors import ConfigError
+
+__all__ = ["CHARLM", "TrainingTask", "load_task", "lr_schedule"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHARLM = "examples.charlm.task"
+"""The default task: the character-level transformer of ``examples/charlm``."""
+
+
+class TrainingTask(Protocol):
+    """A model and how to train it, as ``p2ptrain train`` needs it.
+
+    Attributes:
+        model: The model; its parameters are what the swarm averages.
+        optimizer: The optimizer over ``model``'s parameters (the collaborative
+            optimizer wraps it).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def batch(self, index: int, batch_size: int, *, shard: int, num_shards: int) -> Any:
+        """The ``index``-th local batch of ``batch_size`` samples from data shard ``shard``."""
+        ...
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """The scalar loss of ``model`` on ``batch`` (the trainer calls ``backward``)."""
+        ...
+
+
+def load_task(spec: str | None = None) -> TrainingTask:
+    """Build the task named by ``spec``: a module name, a ``.py`` path, or None for charlm.
+
+    Raises:
+        ConfigError: The module cannot be loaded, has no ``make_task``, or
+            what it returns lacks a member of :class:`TrainingTask`.
+    """
+    module = _import(spec or CHARLM)
+    make = getattr(module, "make_task", None)
+    if not callable(make):
+        raise ConfigError(f"task module {spec!r} defines no make_task() function")
+    task = make()
+    _check(task, spec or CHARLM)
+    return task  # type: ignore[no-any-return]
+
+
+def lr_schedule(task: TrainingTask) -> Callable[[int], None]:
+    """A function of the global step that applies ``task.lr_scale`` to its optimizer.
+
+    A no-op for tasks without ``lr_scale``.
+
+    Raises:
+        ConfigError: (when called) ``lr_scale`` returned a negative or non-finite factor.
+    """
+    scale = getattr(task, "lr_scale", None)
+    initial = [float(group["lr"]) for group in task.optimizer.param_groups]
+
+    def apply(global_step: int) -> None:
+        if scale is None:
+            return
+        factor = float(scale(global_step))
+        if not (math.isfinite(factor) and factor >= 0):
+            raise ConfigError(f"lr_scale({global_step}) must be finite and >= 0, got {factor}")
+        # param_groups is read each time: loading a downloaded state replaces its dicts
+        for group, lr in zip(task.optimizer.param_groups, initial, strict=True):
+            group["lr"] = lr * factor
+
+    return apply
+
+
+def _import(spec: str) -> ModuleType:
+    if spec.endswith(".py") or "/" in spec:
+        return _import_file(Path(spec))
+    if spec == CHARLM:
+        if not (REPO_ROOT / "examples" / "charlm" / "task.py").is_file():
+            raise ConfigError(
+                f"the charlm example was not found under {REPO_ROOT / 'examples'} "
+                "(the default task needs a source checkout; pass --task)"
+            )
+        if str(REPO_ROOT) not in sys.path:
+            sys.path.insert(0, str(REPO_ROOT))
+    try:
+        return importlib.import_module(spec)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import the task module {spec!r}: {exc}") from exc
+
+
+def _import_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise ConfigError(f"task file {str(path)!r} not found")
+    name = f"p2ptrain_task_{path.stem}"
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise ConfigError(f"cannot load {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ConfigError(f"task file {str(path)!r} failed to load: {exc!r}") from exc
+    return module
+
+
+def _check(task: object, spec: str) -> None:
+    owner = f"make_task() of {spec!r}"
+    if not isinstance(getattr(task, "model", None), torch.nn.Module):
+        raise ConfigError(f"{owner} returned no .model (a torch.nn.Module)")
+    if not isinstance(getattr(task, "optimizer", None), torch.optim.Optimizer):
+        raise ConfigError(f"{owner} returned no .optimizer (a torch.optim.Optimizer)")
+    for method in ("batch", "loss"):
+        if not callable(getattr(task, method, None)):
+            raise ConfigError(f"{owner} returned no .{method}() method")

@@ -1,0 +1,106 @@
+"""Training tasks: the charlm default, a user's module, and the mistakes one can make."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import p2ptrain.task
+from p2ptrain.errors import ConfigError
+from p2ptrain.task import load_task, lr_schedule
+
+
+def documented_example() -> str:
+    """The task module shown in p2ptrain.task's docstring, as a file's text."""
+    doc = p2ptrain.task.__doc__ or ""
+    block = doc.split("::\n", 1)[1].split("\nEvery peer", 1)[0]
+    return textwrap.dedent(block)
+
+
+def test_the_default_task_is_charlm() -> None:
+    task = load_task()
+    batch = task.batch(0, 4, shard=1, num_shards=8)
+    assert batch.shape[0] == 4 and batch.dtype == torch.int64
+    value = task.loss(batch)
+    assert value.dim() == 0 and math.isfinite(value.item())
+    again = task.batch(0, 4, shard=1, num_shards=8)
+    assert torch.equal(batch, again)  # deterministic: every peer draws the same way
+
+
+def test_the_documented_example_loads_and_learns(tmp_path: Path) -> None:
+    path = tmp_path / "my_task.py"
+    path.write_text(documented_example())
+    task = load_task(str(path))
+    first = task.loss(task.batch(0, 32, shard=0, num_shards=1)).item()
+    for index in range(60):
+        task.optimizer.zero_grad()
+        task.loss(task.batch(index, 32, shard=0, num_shards=1)).backward()  # type: ignore[no-untyped-call]
+        task.optimizer.step()
+    assert task.loss(task.batch(999, 32, shard=0, num_shards=1)).item() < first / 4
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("x = 1\n", "no make_task"),
+        ("def make_task():\n    return object()\n", "no .model"),
+        (
+            "import torch\nclass T:\n    model = torch.nn.Linear(1, 1)\n"
+            "def make_task():\n    return T()\n",
+            "no .optimizer",
+        ),
+        (
+            "import torch\nclass T:\n    model = torch.nn.Linear(1, 1)\n"
+            "    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "    def batch(self, *a, **k): ...\n"
+            "def make_task():\n    return T()\n",
+            r"no .loss\(\)",
+        ),
+        ("def make_task(:\n", "failed to load"),
+    ],
+)
+def test_a_broken_task_module_gets_a_clear_error(tmp_path: Path, source: str, message: str) -> None:
+    path = tmp_path / "task.py"
+    path.write_text(source)
+    with pytest.raises(ConfigError, match=message):
+        load_task(str(path))
+
+
+def test_missing_modules_and_files_get_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_task(str(tmp_path / "absent.py"))
+    with pytest.raises(ConfigError, match="cannot import"):
+        load_task("no_such_module_for_p2ptrain")
+
+
+def test_lr_scale_sets_every_groups_rate_by_the_global_step() -> None:
+    task = load_task()
+    initial = [group["lr"] for group in task.optimizer.param_groups]
+    apply = lr_schedule(task)
+    apply(0)  # charlm warms up linearly over 20 global steps
+    assert [g["lr"] for g in task.optimizer.param_groups] == pytest.approx(
+        [lr / 20 for lr in initial]
+    )
+    # a downloaded state replaces the group dicts: the schedule still reaches them
+    task.optimizer.load_state_dict(task.optimizer.state_dict())
+    apply(40)
+    assert [g["lr"] for g in task.optimizer.param_groups] == pytest.approx(initial)
+
+
+def test_tasks_without_lr_scale_keep_their_rate(tmp_path: Path) -> None:
+    path = tmp_path / "my_task.py"
+    path.write_text(documented_example())
+    task = load_task(str(path))
+    lr_schedule(task)(5)
+    assert task.optimizer.param_groups[0]["lr"] == 0.05
+
+
+def test_a_bad_lr_scale_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "my_task.py"
+    path.write_text(documented_example() + "\nLinearTask.lr_scale = lambda self, step: -1.0\n")
+    with pytest.raises(ConfigError, match="lr_scale"):
+        lr_schedule(load_task(str(path)))(0)
