@@ -356,7 +356,12 @@ def plot(
             offset = (6, -12) if system == "gloo" else (6, 4)
             for x, y in points:
                 left.annotate(
-                    f"{y:.3g}", (x, y), textcoords="offset points", xytext=offset, fontsize=8
+                    f"{y:.3g}",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=offset,
+                    fontsize=8,
+                    color=f"C{index}",  # says whose label it is where the lines cross
                 )
     left.set_xscale("log", base=2)
     left.set_yscale("log")

@@ -301,10 +301,12 @@ class SctpTuner:
         sctp = self._sctp
         tuning = self.tuning
         if sctp._cwnd > cwnd_before and self._queueing():
-            # A standing queue: the path is full, hold the window (and leave
-            # slow start, as HyStart does).
+            # A standing queue: the path is full, hold the window. Slow start
+            # is not left (HyStart would): on a busy host a receiver's
+            # scheduling gap looks like a queue, and leaving slow start on one
+            # early in a transfer kept cwnd growing one chunk per round trip
+            # (clean lab path: 1.53-2.19x stock per burst, 1.93-2.06x without).
             sctp._cwnd = cwnd_before
-            sctp._ssthresh = min(sctp._ssthresh, cwnd_before)
             self.stats.growth_held += 1
         elif not in_recovery and sctp._fast_recovery_exit is not None:
             # aiortc just halved cwnd. A loss while a queue stands is congestion:
