@@ -36,7 +36,11 @@ from p2ptrain.testing.natlab_pytest import natlab_fixture
 
 pytestmark = pytest.mark.netns
 natlab = natlab_fixture(
-    LabConfig(homes=(HomeConfig("a"), HomeConfig("b")), public_hosts=("boot",), turn=False)
+    LabConfig(
+        homes=(HomeConfig("a"), HomeConfig("b"), HomeConfig("c", nat="symmetric")),
+        public_hosts=("boot",),
+        turn=False,
+    )
 )
 
 BOOT_PORT = 4001
@@ -130,11 +134,23 @@ def test_the_bootstraps_stun_responder_shows_a_home_its_public_address(
     assert mapped is not None and mapped[0] == natlab.home("a").public_address
 
 
+def test_one_bootstrap_is_enough_to_tell_a_symmetric_nat(natlab: NatLab, boot: Bootstrap) -> None:
+    peer = nated_peer(boot.address)
+    try:
+        natlab.call("c", peer.start)
+        reachability = peer.reachability
+        assert reachability is not None and not reachability.public
+        assert peer.reach == "nat:symmetric", reachability.notes
+        assert len(set(reachability.mapped)) == 2  # a new mapping per destination port
+    finally:
+        peer.close()
+
+
 def test_two_nated_peers_average_through_the_router(natlab: NatLab, peers: dict[str, Peer]) -> None:
     a, b = peers["a"], peers["b"]
     for peer in (a, b):
-        # One public peer gives one STUN mapping: behind NAT, but which kind is unknown.
-        assert peer.reach in ("nat:easy", "nat:unknown")
+        # The bootstrap answers STUN on two ports: one public peer tells the NAT's kind.
+        assert peer.reach == "nat:easy"
         assert peer.dht.dht_node.config.client_mode  # a DHT client: nobody dials it directly
         assert not peer.client_mode  # but it takes part in the all-reduce as a reducer
         assert peer.address.split("@", 1)[1].startswith("0.0.0.0:")

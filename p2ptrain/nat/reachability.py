@@ -72,6 +72,9 @@ class DialbackOutcome:
         observed: ``ip:port`` the server saw our call come from.
         stun: The server's STUN responder (host, port), if it runs one.
         reason: Why not, when not reachable.
+        stun_alt: Its second STUN responder (same host, another port), if it
+            runs one: two answers from one server tell an easy NAT from a
+            symmetric one, so a single public peer is enough to know.
     """
 
     server: str
@@ -79,6 +82,7 @@ class DialbackOutcome:
     observed: str | None = None
     stun: tuple[str, int] | None = None
     reason: str = ""
+    stun_alt: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,12 +146,21 @@ class DialbackServer:
         node: The node whose identity the dial-back proves itself with.
         timeout: Seconds to connect and authenticate.
         stun_port: This peer's STUN responder port, told to callers.
+        stun_alt_port: Its second STUN responder's port, told to callers too.
     """
 
-    def __init__(self, node: Node, *, timeout: float, stun_port: int | None) -> None:
+    def __init__(
+        self,
+        node: Node,
+        *,
+        timeout: float,
+        stun_port: int | None,
+        stun_alt_port: int | None = None,
+    ) -> None:
         self._node = node
         self._timeout = timeout
         self._stun_port = stun_port
+        self._stun_alt_port = stun_alt_port
         self._slots = asyncio.Semaphore(_MAX_DIALBACKS)
 
     def install(self, handlers: HandlerTable) -> None:
@@ -165,7 +178,12 @@ class DialbackServer:
             raise InvalidArgumentError("nat.dialback needs {'p': port}")
         observed = observed_address(connection_of(stream))
         endpoint = parse_endpoint(observed)
-        reply: dict[str, object] = {"ok": False, "o": observed, "s": self._stun_port}
+        reply: dict[str, object] = {
+            "ok": False,
+            "o": observed,
+            "s": self._stun_port,
+            "s2": self._stun_alt_port,
+        }
         if endpoint is None:
             reply["e"] = "the call did not come over TCP; nothing to dial back"
         else:
@@ -231,18 +249,21 @@ async def request_dialback(conn: Connection, port: int, *, timeout: float) -> Di
     if not isinstance(reply, dict):
         return DialbackOutcome(server, False, reason="a malformed answer")
     observed = reply.get("o") if parse_endpoint(reply.get("o")) else None
-    stun_port = reply.get("s")
-    stun = None
     endpoint = parse_endpoint(conn.transport.remote_address)
-    if endpoint is not None and isinstance(stun_port, int) and 0 < stun_port < 65536:
-        stun = (endpoint[0], stun_port)
+
+    def stun_at(port: object) -> tuple[str, int] | None:
+        if endpoint is None or isinstance(port, bool) or not isinstance(port, int):
+            return None
+        return (endpoint[0], port) if 0 < port < 65536 else None
+
     reason = reply.get("e")
     return DialbackOutcome(
         server,
         reply.get("ok") is True,
         observed if isinstance(observed, str) else None,
-        stun,
+        stun_at(reply.get("s")),
         reason if isinstance(reason, str) else "",
+        stun_at(reply.get("s2")),
     )
 
 
@@ -281,7 +302,9 @@ async def check_reachability(
 
     if dialback:
         outcomes = list(await asyncio.gather(*(ask(s) for s in chosen)))
-        stun_servers = [o.stun for o in outcomes if o.stun is not None]
+        stun_servers = [
+            server for o in outcomes for server in (o.stun, o.stun_alt) if server is not None
+        ]
     else:
         outcomes = []
         stun_servers = [(s.host, s.port) for s in chosen]

@@ -135,6 +135,9 @@ class NATService:
         self.config = config
         self.reachability = reachability
         self.stun: StunResponder | None = None
+        self.stun_alt: StunResponder | None = None
+        """A second responder on another port: with it one public peer is
+        enough for a NATed peer to tell an easy NAT from a symmetric one."""
         self.rendezvous_server: RendezvousServer | None = None
         self._dialback: DialbackServer | None = None
         self._registrations: dict[PeerID, Registration] = {}
@@ -205,9 +208,10 @@ class NATService:
         for registration in list(self._registrations.values()):
             await registration.aclose()
         self._registrations.clear()
-        if self.stun is not None:
-            await self.stun.aclose()
-            self.stun = None
+        for responder in (self.stun, self.stun_alt):
+            if responder is not None:
+                await responder.aclose()
+        self.stun = self.stun_alt = None
 
     async def __aenter__(self) -> NATService:
         await self.start()
@@ -385,8 +389,16 @@ class NATService:
                 logger.warning("%s; answering STUN on another port", exc)
                 self.stun = await start_stun_responder(host, 0)
         stun_port = self.stun.address[1]
+        try:  # the next port number, so that operators know which to open
+            self.stun_alt = await start_stun_responder(host, stun_port % 65535 + 1)
+        except ConnectError as exc:
+            logger.warning("%s; second STUN responder on another port", exc)
+            self.stun_alt = await start_stun_responder(host, 0)
         self._dialback = DialbackServer(
-            self.node, timeout=config.dialback_timeout, stun_port=stun_port
+            self.node,
+            timeout=config.dialback_timeout,
+            stun_port=stun_port,
+            stun_alt_port=self.stun_alt.address[1],
         )
         self._dialback.install(handlers)
         if config.serve_rendezvous:
