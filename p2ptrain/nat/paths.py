@@ -585,29 +585,6 @@ async def _await_crossing(
         why,
     )
     return conn
-    timeout = max(0.0, deadline - asyncio.get_running_loop().time())
-    logger.info(
-        "%s -> %s: crossing dial (%s); waiting up to %.1f s for its connection",
-        node.peer_id.short,
-        target.short,
-        why,
-        timeout,
-    )
-    try:
-        conn = await state.await_peer(target, timeout=timeout)
-    except TransportTimeoutError:
-        attempts[CROSSING] = f"{why}; its connection did not come within {timeout:.1f} s"
-        return None
-    except ConnectError as exc:
-        attempts[CROSSING] = f"{why}; {exc}"
-        return None
-    logger.info(
-        "%s -> %s: connected via %s, the crossing dial's connection",
-        node.peer_id.short,
-        target.short,
-        conn.path,
-    )
-    return conn
 
 
 async def connect_peer(
