@@ -47,35 +47,28 @@ the ring model predicts ``2(n−1)/n · V / min_i min(u_i, d_i)``.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2ptrain.allreduce import ThroughputMeter
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
 from p2ptrain.allreduce.partition import equal_shares, evaluate_round_time
 from p2ptrain.testing.natlab_netns import python_env
 
-if TYPE_CHECKING or __package__:
-    from benchmarks._allreduce_netlab import LinkSpec, StarLab
-    from benchmarks._allreduce_runner import PeerGroup, Round, run_round
-    from benchmarks._allreduce_systems import (
-        p2ptrain_plan,
-        p2ptrain_prepares,
-        start_gloo,
-        start_p2ptrain,
-        vector_prepares,
-    )
-else:  # run as a script from benchmarks/
-    from _allreduce_netlab import LinkSpec, StarLab
-    from _allreduce_runner import PeerGroup, Round, run_round
-    from _allreduce_systems import (
-        p2ptrain_plan,
-        p2ptrain_prepares,
-        start_gloo,
-        start_p2ptrain,
-        vector_prepares,
-    )
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._allreduce_netlab import LinkSpec, StarLab
+from benchmarks._allreduce_runner import PeerGroup, Round, run_round
+from benchmarks._allreduce_systems import (
+    p2ptrain_plan,
+    p2ptrain_prepares,
+    start_gloo,
+    start_p2ptrain,
+    vector_prepares,
+)
 
 __all__ = ["SCENARIO", "HeteroPeer", "HeteroResult", "Prediction", "predict", "run_hetero"]
 

@@ -36,32 +36,22 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING or __package__:
-    from benchmarks._allreduce_proto import (
-        TOLERANCE,
-        RoundOutcome,
-        input_vector,
-        max_error,
-        now,
-        read_command,
-        tree_cpu_seconds,
-        write_message,
-    )
-else:  # run as a script by hivemind's interpreter: this directory is sys.path[0]
-    from _allreduce_proto import (
-        TOLERANCE,
-        RoundOutcome,
-        input_vector,
-        max_error,
-        now,
-        read_command,
-        tree_cpu_seconds,
-        write_message,
-    )
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._allreduce_proto import (
+    TOLERANCE,
+    RoundOutcome,
+    input_vector,
+    max_error,
+    now,
+    read_command,
+    tree_cpu_seconds,
+    write_message,
+)
 
 POLL_S = 0.005
 """How often ``prepare`` looks whether matchmaking has formed the group."""

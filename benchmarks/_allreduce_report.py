@@ -8,21 +8,19 @@ functions return what goes into the JSON line.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING or __package__:
-    from benchmarks._allreduce_hetero import TCP_GOODPUT, HeteroResult
-    from benchmarks._allreduce_profile import summarize
-    from benchmarks._allreduce_runner import Round
-    from benchmarks._common import format_table, uvloop_available
-else:  # run as a script from benchmarks/
-    from _allreduce_hetero import TCP_GOODPUT, HeteroResult
-    from _allreduce_profile import summarize
-    from _allreduce_runner import Round
-    from _common import format_table, uvloop_available
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._allreduce_hetero import TCP_GOODPUT, HeteroResult
+from benchmarks._allreduce_profile import summarize
+from benchmarks._allreduce_runner import Round
+from benchmarks._common import format_table, uvloop_available
 
 __all__ = [
     "GLOO_GOAL",

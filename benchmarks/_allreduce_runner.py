@@ -25,12 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
-if TYPE_CHECKING or __package__:
-    from benchmarks._allreduce_proto import parse_line
-else:  # run as a script from benchmarks/
-    from _allreduce_proto import parse_line
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._allreduce_proto import parse_line
 
 __all__ = [
     "BenchmarkError",

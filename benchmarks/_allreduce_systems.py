@@ -13,17 +13,16 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 
 from p2ptrain.allreduce import GroupMember, GroupPlan
 from p2ptrain.node.address import PeerAddress
 
-if TYPE_CHECKING or __package__:
-    from benchmarks._allreduce_runner import PeerGroup
-else:  # run as a script from benchmarks/
-    from _allreduce_runner import PeerGroup
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._allreduce_runner import PeerGroup
 
 __all__ = [
     "HIVEMIND_DEFAULT_PYTHON",

@@ -35,32 +35,22 @@ import os
 import resource
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING or __package__:
-    from benchmarks._allreduce_proto import (
-        TOLERANCE,
-        RoundOutcome,
-        input_vector,
-        max_error,
-        now,
-        process_cpu_seconds,
-        read_command,
-        write_message,
-    )
-else:  # run as a script
-    from _allreduce_proto import (
-        TOLERANCE,
-        RoundOutcome,
-        input_vector,
-        max_error,
-        now,
-        process_cpu_seconds,
-        read_command,
-        write_message,
-    )
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._allreduce_proto import (
+    TOLERANCE,
+    RoundOutcome,
+    input_vector,
+    max_error,
+    now,
+    process_cpu_seconds,
+    read_command,
+    write_message,
+)
 
 
 class _Inputs:

@@ -50,71 +50,42 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
 from p2ptrain.testing.natlab_netns import python_env
 
-if TYPE_CHECKING or __package__:
-    from benchmarks._allreduce_hetero import HeteroResult, run_hetero
-    from benchmarks._allreduce_netlab import unavailable_reason
-    from benchmarks._allreduce_report import (
-        Series,
-        hetero_report,
-        loopback_report,
-        plot,
-        profile_report,
-    )
-    from benchmarks._allreduce_runner import (
-        BenchmarkError,
-        NotPreparedError,
-        PeerGroup,
-        WrongAverageError,
-        run_round,
-    )
-    from benchmarks._allreduce_systems import (
-        find_hivemind_python,
-        free_port,
-        p2ptrain_plan,
-        p2ptrain_prepares,
-        start_gloo,
-        start_hivemind,
-        start_p2ptrain,
-        vector_prepares,
-    )
-    from benchmarks._common import emit_json, uvloop_available
-else:  # run as a script: python benchmarks/bench_allreduce.py, or p2ptrain bench allreduce
-    # (the latter runs this file by path, from the repository root: make its siblings importable)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _allreduce_hetero import HeteroResult, run_hetero
-    from _allreduce_netlab import unavailable_reason
-    from _allreduce_report import (
-        Series,
-        hetero_report,
-        loopback_report,
-        plot,
-        profile_report,
-    )
-    from _allreduce_runner import (
-        BenchmarkError,
-        NotPreparedError,
-        PeerGroup,
-        WrongAverageError,
-        run_round,
-    )
-    from _allreduce_systems import (
-        find_hivemind_python,
-        free_port,
-        p2ptrain_plan,
-        p2ptrain_prepares,
-        start_gloo,
-        start_hivemind,
-        start_p2ptrain,
-        vector_prepares,
-    )
-    from _common import emit_json, uvloop_available
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._allreduce_hetero import HeteroResult, run_hetero
+from benchmarks._allreduce_netlab import unavailable_reason
+from benchmarks._allreduce_report import (
+    Series,
+    hetero_report,
+    loopback_report,
+    plot,
+    profile_report,
+)
+from benchmarks._allreduce_runner import (
+    BenchmarkError,
+    NotPreparedError,
+    PeerGroup,
+    WrongAverageError,
+    run_round,
+)
+from benchmarks._allreduce_systems import (
+    find_hivemind_python,
+    free_port,
+    p2ptrain_plan,
+    p2ptrain_prepares,
+    start_gloo,
+    start_hivemind,
+    start_p2ptrain,
+    vector_prepares,
+)
+from benchmarks._common import emit_json, uvloop_available
 
 MiB = 1 << 20
 HIVEMIND_RETRIES = 3

@@ -50,12 +50,11 @@ import sys
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING or __package__:
-    from benchmarks._common import emit_json, format_table, percentile, run, uvloop_available
-else:  # run as a script: python benchmarks/bench_dht.py
-    from _common import emit_json, format_table, percentile, run, uvloop_available
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import emit_json, format_table, percentile, run, uvloop_available
 
 OP_TIMEOUT = 30.0
 """Seconds one store or get may take before it counts as failed."""

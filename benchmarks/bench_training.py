@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the example model lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from _common import emit_json, format_table  # noqa: E402
+from benchmarks._common import emit_json, format_table
 
 START_TIMEOUT = 120.0
 

@@ -66,7 +66,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
@@ -79,36 +79,22 @@ from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.testing.natlab import unavailable_reason
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor
 
-if TYPE_CHECKING or __package__:
-    from benchmarks import bench_webrtc
-    from benchmarks._common import (
-        ServerProcess,
-        announce_ready,
-        cpu_seconds,
-        emit_json,
-        format_table,
-        median,
-        percentile,
-        plot_bars,
-        run,
-        uvloop_available,
-        wait_for_stdin_eof,
-    )
-else:  # run as a script: python benchmarks/bench_transport.py
-    import bench_webrtc
-    from _common import (
-        ServerProcess,
-        announce_ready,
-        cpu_seconds,
-        emit_json,
-        format_table,
-        median,
-        percentile,
-        plot_bars,
-        run,
-        uvloop_available,
-        wait_for_stdin_eof,
-    )
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import bench_webrtc
+from benchmarks._common import (
+    ServerProcess,
+    announce_ready,
+    cpu_seconds,
+    emit_json,
+    format_table,
+    median,
+    percentile,
+    plot_bars,
+    run,
+    uvloop_available,
+    wait_for_stdin_eof,
+)
 
 MiB = 1 << 20
 GiB = 1 << 30

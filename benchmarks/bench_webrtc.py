@@ -71,7 +71,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2ptrain.testing.natlab import HomeConfig, LabConfig, NatLab, unavailable_reason
 from p2ptrain.transport.webrtc import WebRTCTransport
@@ -81,10 +81,9 @@ from p2ptrain.transport.webrtc_sctp import SctpTuning
 from p2ptrain.transport.webrtc_signaling import StreamSignalingChannel
 from p2ptrain.wire.frames import Frame, FrameType
 
-if TYPE_CHECKING or __package__:
-    from benchmarks._common import cpu_seconds, emit_json, format_table, median, run
-else:  # run as a script: python benchmarks/bench_webrtc.py
-    from _common import cpu_seconds, emit_json, format_table, median, run
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import cpu_seconds, emit_json, format_table, median, run
 
 MiB = 1 << 20
 GiB = 1 << 30
