@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import queue
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -79,3 +85,58 @@ async def recorded_handshake(
         shake(b, responder, initiator=False, swarm=swarm),
     )
     return result, recorded
+
+
+class ChildLines:
+    """A child process whose stdout lines arrive in a queue, read with a deadline.
+
+    Its stderr is drained as it comes (a full pipe would block the child's
+    logging); the tail is shown when the child exits before a line comes.
+    """
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: collections.deque[str] = collections.deque(maxlen=200)
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        self.stderr.extend(self.process.stderr)
+
+    def next_line(self, deadline: float) -> str:
+        """The next stdout line; fails at ``deadline`` (monotonic) or when the child exits."""
+        line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        if line is None:
+            self.process.wait(5)
+            raise AssertionError(f"process exited: {''.join(self.stderr)[-2000:]}")
+        return line
+
+    def stop(self) -> None:
+        """Terminate the child (kill it if it does not exit within 15 s)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def cli_process(*args: str) -> ChildLines:
+    """``python -m p2ptrain.cli ARGS`` as a :class:`ChildLines`."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "p2ptrain.cli", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return ChildLines(process)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import ChildLines, cli_process
 
 from p2ptrain.aio import run
 from p2ptrain.cli import BENCHMARKS, main
@@ -78,84 +80,56 @@ def test_user_mistakes_get_one_line_errors(busy_port: int, tmp_path: Path) -> No
         assert expected in lines[0], lines[0]
 
 
+def _joinable_bootstrap(*args: str) -> tuple[ChildLines, str]:
+    """Start ``p2ptrain bootstrap --port 0 ARGS``; returns it and the address it prints."""
+    boot = cli_process("bootstrap", "--port", "0", *args)
+    deadline = time.monotonic() + 60
+    try:
+        assert "ready" in boot.next_line(deadline)
+        return boot, boot.next_line(deadline).split("--join", 1)[1].strip()
+    except BaseException:
+        boot.stop()
+        raise
+
+
 def test_refused_admission_is_one_line(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("the-swarm-secret-of-this-test")
-    boot = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "p2ptrain.cli",
-            "bootstrap",
-            "--port",
-            "0",
-            "--secret-file",
-            str(secret),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    boot, address = _joinable_bootstrap("--secret-file", str(secret))
     try:
-        assert boot.stdout is not None
-        assert "ready" in boot.stdout.readline()
-        address = boot.stdout.readline().split("--join", 1)[1].strip()
         result = run_cli("bootstrap", "--port", "0", "--join", address)
         assert result.returncode == 2
         assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
         assert "admission" in result.stderr
     finally:
-        boot.terminate()
-        boot.wait(10)
+        boot.stop()
 
 
 def test_bootstrap_prints_a_joinable_address() -> None:
-    boot = subprocess.Popen(
-        [sys.executable, "-m", "p2ptrain.cli", "bootstrap", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    boot, address = _joinable_bootstrap()
     second = None
     try:
-        assert boot.stdout is not None
-        assert "ready" in boot.stdout.readline()
-        address = boot.stdout.readline().split("--join", 1)[1].strip()
-        second = subprocess.Popen(
-            [sys.executable, "-m", "p2ptrain.cli", "bootstrap", "--port", "0", "--join", address],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert second.stdout is not None
-        assert "ready" in second.stdout.readline()  # it joined through the first
+        second = cli_process("bootstrap", "--port", "0", "--join", address)
+        # it joined through the first
+        assert "ready" in second.next_line(time.monotonic() + 60)
     finally:
         for proc in (second, boot):
             if proc is not None:
-                proc.terminate()
-                proc.wait(10)
+                proc.stop()
 
 
 def test_bootstrap_answers_stun_on_the_port_it_prints() -> None:
-    boot = subprocess.Popen(
-        [sys.executable, "-m", "p2ptrain.cli", "bootstrap", "--port", "0", "--relay"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    boot, printed = _joinable_bootstrap("--relay")
     try:
-        assert boot.stdout is not None
-        assert "ready" in boot.stdout.readline()
-        address = PeerAddress.parse(boot.stdout.readline().split("--join", 1)[1].strip())
+        address = PeerAddress.parse(printed)
         assert address.peer_id is not None and address.host == "127.0.0.1"
-        info = boot.stdout.readline()
+        info = boot.next_line(time.monotonic() + 60)
         assert "rendezvous on" in info and "relay on" in info
         stun_port = int(info.split("udp/", 1)[1].split(",", 1)[0])
         answers = run(stun_query([("127.0.0.1", stun_port)], timeout=5.0))
         assert answers[0] is not None and answers[0][0] == "127.0.0.1"
     finally:
-        boot.terminate()
-        boot.wait(10)
+        boot.stop()
 
 
 def test_nat_flags_are_checked() -> None:

@@ -13,14 +13,13 @@ router (the NAT service) traverses the NATs underneath.
 from __future__ import annotations
 
 import concurrent.futures
-import queue
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import ChildLines
 
 from p2ptrain import aio
 from p2ptrain.allreduce.group import GroupPlan
@@ -54,36 +53,17 @@ class Bootstrap:
         announce = lab.node("boot").address
         argv = ["-m", "p2ptrain.cli", "bootstrap", "--host", "0.0.0.0", "--port", str(BOOT_PORT)]
         argv += ["--announce-host", announce, "--relay", "--relay-mbit", "100"]
-        self.process = lab.python(
+        process = lab.python(
             "boot", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.child = ChildLines(process)
         deadline = time.monotonic() + 30
-        assert "ready" in self._next(deadline)
-        self.address = self._next(deadline).split("--join", 1)[1].strip()
-        self.stun_port = int(self._next(deadline).split("udp/", 1)[1].split(",", 1)[0])
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def _next(self, deadline: float) -> str:
-        line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        if line is None:
-            err = self.process.stderr.read() if self.process.stderr else ""
-            raise AssertionError(f"bootstrap exited: {err[-2000:]}")
-        return line
+        assert "ready" in self.child.next_line(deadline)
+        self.address = self.child.next_line(deadline).split("--join", 1)[1].strip()
+        self.stun_port = int(self.child.next_line(deadline).split("udp/", 1)[1].split(",", 1)[0])
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        self.child.stop()
 
 
 def nated_peer(bootstrap: str) -> Peer:

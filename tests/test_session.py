@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import collections
 import json
-import queue
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ChildLines, cli_process
 from test_task import documented_example
 
 from p2ptrain.cli import main
@@ -23,59 +21,15 @@ from p2ptrain.session import TrainingSessionConfig, format_status
 from p2ptrain.train.progress import PeerProgress
 
 
-class Proc:
-    """A CLI process whose stdout lines arrive in a queue (read with a timeout)."""
-
-    def __init__(self, *args: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "p2ptrain.cli", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.stderr: collections.deque[str] = collections.deque(maxlen=200)
-        threading.Thread(target=self._read, daemon=True).start()
-        # Drain stderr too: a full pipe would block the process's logging.
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def _read_stderr(self) -> None:
-        assert self.process.stderr is not None
-        self.stderr.extend(self.process.stderr)
-
-    def next_line(self, deadline: float) -> str:
-        line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        if line is None:
-            self.process.wait(5)
-            raise AssertionError(f"process exited: {''.join(self.stderr)[-2000:]}")
-        return line
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 @pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
+def procs() -> Iterator[list[ChildLines]]:
+    started: list[ChildLines] = []
     yield started
     for proc in reversed(started):
         proc.stop()
 
 
-def _wait_for_joint_step(peer: Proc, deadline: float) -> dict[str, Any]:
+def _wait_for_joint_step(peer: ChildLines, deadline: float) -> dict[str, Any]:
     """The first progress event showing a step averaged with another peer."""
     while True:
         event = json.loads(peer.next_line(deadline))
@@ -83,17 +37,17 @@ def _wait_for_joint_step(peer: Proc, deadline: float) -> dict[str, Any]:
             return dict(event)
 
 
-def test_two_peers_train_and_status_lists_them(procs: list[Proc]) -> None:
+def test_two_peers_train_and_status_lists_them(procs: list[ChildLines]) -> None:
     deadline = time.monotonic() + 50
-    boot = Proc("bootstrap", "--port", "0")
+    boot = cli_process("bootstrap", "--port", "0")
     procs.append(boot)
     assert "ready" in boot.next_line(deadline)
     address = boot.next_line(deadline).split("--join", 1)[1].strip()
     train_args = ("train", "--join", address, "--run-id", "t", "--seconds", "60")
     sizes = ("--target-batch-size", "16", "--batch-size", "4", "--log-json", "-")
     peers = [
-        Proc(*train_args, *sizes, "--upload-mbit", "50", "--download-mbit", "100"),
-        Proc(*train_args, *sizes),
+        cli_process(*train_args, *sizes, "--upload-mbit", "50", "--download-mbit", "100"),
+        cli_process(*train_args, *sizes),
     ]
     procs.extend(peers)
     events = [_wait_for_joint_step(peer, deadline) for peer in peers]
@@ -173,15 +127,15 @@ def test_format_status_orders_by_step() -> None:
     assert "1.0s ago" in lines[4]
 
 
-def test_train_runs_a_users_task_module(procs: list[Proc], tmp_path: Path) -> None:
+def test_train_runs_a_users_task_module(procs: list[ChildLines], tmp_path: Path) -> None:
     task_file = tmp_path / "my_task.py"
     task_file.write_text(documented_example())
     deadline = time.monotonic() + 60
-    boot = Proc("bootstrap", "--port", "0")
+    boot = cli_process("bootstrap", "--port", "0")
     procs.append(boot)
     assert "ready" in boot.next_line(deadline)
     address = boot.next_line(deadline).split("--join", 1)[1].strip()
-    peer = Proc(
+    peer = cli_process(
         "train", "--join", address, "--run-id", "own", "--task", str(task_file),
         "--seconds", "6", "--target-batch-size", "32", "--batch-size", "16",
         "--log-json", "-",
