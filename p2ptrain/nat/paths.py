@@ -70,6 +70,7 @@ from p2ptrain.nat.signaling import (
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.connection import Connection
+from p2ptrain.transport.base import FrameTransport
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
 from p2ptrain.transport.webrtc_connect import webrtc_connect
 
@@ -81,6 +82,7 @@ __all__ = [
     "PlannedAttempt",
     "Traversal",
     "connect_peer",
+    "open_webrtc",
     "plan_paths",
     "traverse",
     "webrtc_config_for",
@@ -222,6 +224,25 @@ def webrtc_config_for(config: NATConfig, stun: tuple[str, int] | None) -> WebRTC
         return config.webrtc
     servers = (IceServer(f"stun:{stun[0]}:{stun[1]}"), *config.webrtc.ice_servers)
     return dataclasses.replace(config.webrtc, ice_servers=servers)
+
+
+async def open_webrtc(
+    node: Node,
+    channel: CircuitSignaling,
+    config: NATConfig,
+    stun: tuple[str, int] | None,
+    *,
+    initiator: bool,
+) -> FrameTransport:
+    """A WebRTC data-channel transport signalled over ``channel``, framed as ``node`` frames."""
+    conn_config = node.config.connection
+    return await webrtc_connect(
+        channel,
+        config=webrtc_config_for(config, stun),
+        initiator=initiator,
+        max_frame_bytes=conn_config.max_frame_bytes,
+        max_header_bytes=conn_config.max_header_bytes,
+    )
 
 
 @dataclass(frozen=True)
@@ -414,15 +435,8 @@ class _Walker:
             await channel.send({"type": "path", "path": "webrtc"})
             address = point.peer_address
             stun = None if point.stun_port is None else (address.host, point.stun_port)
-            conn_config = self.node.config.connection
             with _crossing(channel):
-                transport = await webrtc_connect(
-                    channel,
-                    config=webrtc_config_for(self.config, stun),
-                    initiator=True,
-                    max_frame_bytes=conn_config.max_frame_bytes,
-                    max_header_bytes=conn_config.max_header_bytes,
-                )
+                transport = await open_webrtc(self.node, channel, self.config, stun, initiator=True)
             # Keep the circuit until we are authenticated too: the target's half
             # (and its handshake) stops if the circuit is reset.
             return await self.node.adopt(transport, initiator=True, expected=self.target)

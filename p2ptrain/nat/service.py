@@ -63,7 +63,7 @@ from p2ptrain.nat.holepunch import (
     punch_responder,
     reuses_port,
 )
-from p2ptrain.nat.paths import LocalView, Traversal, traverse, webrtc_config_for
+from p2ptrain.nat.paths import LocalView, Traversal, open_webrtc, traverse
 from p2ptrain.nat.reachability import DialbackServer, Reachability, check_reachability
 from p2ptrain.nat.records import PeerRecord, RendezvousPoint, publish_record
 from p2ptrain.nat.relay import RelayTransport
@@ -87,7 +87,6 @@ from p2ptrain.node.node import Node
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
-from p2ptrain.transport.webrtc_connect import webrtc_connect
 
 __all__ = ["REVERSED", "NATService", "wins_crossing"]
 
@@ -635,14 +634,7 @@ class NATService:
             stun = None
             if registration.stun_port is not None:
                 stun = (rendezvous.host, registration.stun_port)
-            conn_config = self.node.config.connection
-            transport = await webrtc_connect(
-                channel,
-                config=webrtc_config_for(self.config, stun),
-                initiator=False,
-                max_frame_bytes=conn_config.max_frame_bytes,
-                max_header_bytes=conn_config.max_header_bytes,
-            )
+            transport = await open_webrtc(self.node, channel, self.config, stun, initiator=False)
             await self.node.adopt(transport, initiator=False, expected=header.peer)
         elif path == "punch":
             if caller is None or not reuses_port(self.node):
