@@ -277,6 +277,10 @@ class _TrafficSource(Protocol):
     def connections(self) -> list[Any]: ...
 
 
+def _counter(name: str, value: float, labels: Mapping[str, str] | None = None) -> Sample:
+    return Sample(name, value, labels or {}, "counter")
+
+
 def node_collector(node: _TrafficSource) -> Callable[[], list[Sample]]:
     """A collector of a node's open connections and their bytes per path.
 
@@ -288,10 +292,8 @@ def node_collector(node: _TrafficSource) -> Callable[[], list[Sample]]:
         samples = [Sample("p2ptrain_connections_open", len(node.connections()))]
         for path, (sent, received) in sorted(node.traffic_by_path().items()):
             labels = {"path": path}
-            samples.append(Sample("p2ptrain_path_bytes_sent_total", sent, labels, "counter"))
-            samples.append(
-                Sample("p2ptrain_path_bytes_received_total", received, labels, "counter")
-            )
+            samples.append(_counter("p2ptrain_path_bytes_sent_total", sent, labels))
+            samples.append(_counter("p2ptrain_path_bytes_received_total", received, labels))
         return samples
 
     return collect
@@ -311,19 +313,17 @@ def dht_collector(node: DHTNode) -> Callable[[], list[Sample]]:
         ]
         for method, count in sorted(dict(stats.sent).items()):
             labels = {"method": method}
-            samples.append(Sample("p2ptrain_dht_requests_total", count, labels, "counter"))
+            samples.append(_counter("p2ptrain_dht_requests_total", count, labels))
             answered = stats.answered.get(method, 0)
             seconds = stats.answer_seconds.get(method, 0.0)
-            samples.append(
-                Sample("p2ptrain_dht_response_seconds_count", answered, labels, "counter")
-            )
-            samples.append(Sample("p2ptrain_dht_response_seconds_sum", seconds, labels, "counter"))
+            samples.append(_counter("p2ptrain_dht_response_seconds_count", answered, labels))
+            samples.append(_counter("p2ptrain_dht_response_seconds_sum", seconds, labels))
         for (method, reason), count in sorted(dict(stats.failed).items()):
             labels = {"method": method, "reason": reason}
-            samples.append(Sample("p2ptrain_dht_request_failures_total", count, labels, "counter"))
+            samples.append(_counter("p2ptrain_dht_request_failures_total", count, labels))
         for method, count in sorted(dict(stats.served).items()):
             labels = {"method": method}
-            samples.append(Sample("p2ptrain_dht_requests_served_total", count, labels, "counter"))
+            samples.append(_counter("p2ptrain_dht_requests_served_total", count, labels))
         return samples
 
     return collect
@@ -338,21 +338,18 @@ def nat_collector(service: NATService) -> Callable[[], list[Sample]]:
     stats = service.stats
 
     def collect() -> list[Sample]:
-        def counter(name: str, value: float, labels: Mapping[str, str] | None = None) -> Sample:
-            return Sample(name, value, labels or {}, "counter")
-
         connected = dict(stats.connected)
         samples = [
-            counter("p2ptrain_nat_traversal_failures_total", stats.failed),
-            counter("p2ptrain_nat_crossing_dials_total", stats.crossing),
-            counter("p2ptrain_nat_traversal_seconds_count", sum(connected.values())),
-            counter("p2ptrain_nat_traversal_seconds_sum", stats.seconds),
-            counter("p2ptrain_nat_refused_total", service.refused),
+            _counter("p2ptrain_nat_traversal_failures_total", stats.failed),
+            _counter("p2ptrain_nat_crossing_dials_total", stats.crossing),
+            _counter("p2ptrain_nat_traversal_seconds_count", sum(connected.values())),
+            _counter("p2ptrain_nat_traversal_seconds_sum", stats.seconds),
+            _counter("p2ptrain_nat_refused_total", service.refused),
         ]
         for path, count in sorted(connected.items()):
-            samples.append(counter("p2ptrain_nat_traversals_total", count, {"path": path}))
+            samples.append(_counter("p2ptrain_nat_traversals_total", count, {"path": path}))
         for attempt, count in sorted(dict(stats.fallbacks).items()):
-            samples.append(counter("p2ptrain_nat_fallbacks_total", count, {"path": attempt}))
+            samples.append(_counter("p2ptrain_nat_fallbacks_total", count, {"path": attempt}))
         return samples
 
     return collect
@@ -366,23 +363,20 @@ def allreduce_collector(stats: RoundStats) -> Callable[[], list[Sample]]:
     """
 
     def collect() -> list[Sample]:
-        def counter(name: str, value: float, labels: Mapping[str, str] | None = None) -> Sample:
-            return Sample(name, value, labels or {}, "counter")
-
         samples = [
-            counter("p2ptrain_allreduce_rounds_total", stats.rounds - stats.incomplete, _DONE),
-            counter("p2ptrain_allreduce_rounds_total", stats.incomplete, _PARTLY),
-            counter("p2ptrain_allreduce_seconds_count", stats.rounds),
-            counter("p2ptrain_allreduce_seconds_sum", stats.seconds),
-            counter("p2ptrain_allreduce_predicted_seconds_count", stats.predicted_rounds),
-            counter("p2ptrain_allreduce_predicted_seconds_sum", stats.predicted_seconds),
-            counter("p2ptrain_allreduce_members_total", stats.members),
-            counter("p2ptrain_allreduce_bytes_sent_total", stats.bytes_sent),
-            counter("p2ptrain_allreduce_bytes_received_total", stats.bytes_received),
-            counter("p2ptrain_allreduce_peers_dropped_total", stats.dropped),
+            _counter("p2ptrain_allreduce_rounds_total", stats.rounds - stats.incomplete, _DONE),
+            _counter("p2ptrain_allreduce_rounds_total", stats.incomplete, _PARTLY),
+            _counter("p2ptrain_allreduce_seconds_count", stats.rounds),
+            _counter("p2ptrain_allreduce_seconds_sum", stats.seconds),
+            _counter("p2ptrain_allreduce_predicted_seconds_count", stats.predicted_rounds),
+            _counter("p2ptrain_allreduce_predicted_seconds_sum", stats.predicted_seconds),
+            _counter("p2ptrain_allreduce_members_total", stats.members),
+            _counter("p2ptrain_allreduce_bytes_sent_total", stats.bytes_sent),
+            _counter("p2ptrain_allreduce_bytes_received_total", stats.bytes_received),
+            _counter("p2ptrain_allreduce_peers_dropped_total", stats.dropped),
         ]
         for stage, count in sorted(dict(stats.failures).items()):
-            samples.append(counter("p2ptrain_allreduce_failures_total", count, {"stage": stage}))
+            samples.append(_counter("p2ptrain_allreduce_failures_total", count, {"stage": stage}))
         if stats.last_seconds is not None:
             samples.append(Sample("p2ptrain_allreduce_last_seconds", stats.last_seconds))
             samples.append(Sample("p2ptrain_allreduce_last_group_size", stats.last_group_size))
