@@ -252,6 +252,11 @@ class Peer:
                 self._probe_links(targets, self.config.probe_bytes), name="bandwidth-probe"
             )
 
+    async def probed(self) -> None:
+        """Wait (on the peer's loop) until the start-up bandwidth probe, if any, is over."""
+        if self._probe is not None:
+            await asyncio.shield(self._probe)
+
     async def _probe_links(self, targets: list[PeerAddress], nbytes: int) -> None:
         result = await measure_if_unknown(self.throughput, self.node, targets, nbytes=nbytes)
         if result is not None:
