@@ -115,13 +115,17 @@ async def test_a_probe_fills_only_the_directions_the_meter_lacks(make_node: Node
 async def test_a_probe_server_refuses_oversized_or_malformed_requests(
     make_node: NodeFactory,
 ) -> None:
-    nodes = await make_members(make_node, 2)
+    nodes = await make_members(make_node, 3)
+    # A healthy peer probes the server while another sends it bad requests.
+    healthy = asyncio.create_task(probe_throughput(nodes[2], nodes[1].address, nbytes=8 << 20))
     for request in ({"u": MAX_PROBE_BYTES + 1, "n": 1}, {"u": 1, "n": True}, [1, 2]):
         stream = await nodes[0].open_stream(nodes[1].address, PROBE_METHOD, timeout=10)
         await stream.send(request)
         with pytest.raises(InvalidArgumentError):
             await stream.recv()
         await stream.aclose()
+    served = await healthy
+    assert served.upload_s > 0 and served.download_s > 0
     result = await probe_throughput(nodes[0], nodes[1].address, nbytes=1 << 20)
     assert result.upload_s > 0 and result.download_s > 0
 
