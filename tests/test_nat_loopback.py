@@ -31,7 +31,7 @@ from p2ptrain.errors import (
 )
 from p2ptrain.identity import PeerID
 from p2ptrain.nat import NATConfig, NATService, PeerRecord, RelayLimits, find_record
-from p2ptrain.nat.reachability import Reachability, request_dialback
+from p2ptrain.nat.reachability import DIALBACK, Reachability, request_dialback
 from p2ptrain.nat.relay import RelayTransport
 from p2ptrain.nat.signaling import CONNECT, CircuitSignaling, open_circuit
 from p2ptrain.nat.stun import start_stun_responder, stun_query
@@ -145,6 +145,8 @@ async def test_dialback_tells_a_listening_peer_from_a_closed_port() -> None:
         reachable = await request_dialback(conn, asker.address.port, timeout=5)
         assert reachable.reachable and reachable.observed is not None
         assert reachable.stun == ("127.0.0.1", public.node.address.port)
+        assert public.nat.stun_alt is not None  # the second STUN port is told too
+        assert reachable.stun_alt == ("127.0.0.1", public.nat.stun_alt.address[1])
         closed = socket.socket()
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
@@ -153,6 +155,23 @@ async def test_dialback_tells_a_listening_peer_from_a_closed_port() -> None:
         assert not refused.reachable and "cannot connect" in refused.reason
         impostor = await request_dialback(conn, other.node.address.port, timeout=5)
         assert not impostor.reachable and "not the caller" in impostor.reason
+
+
+async def test_malformed_stun_ports_in_a_dialback_answer_are_ignored() -> None:
+    async def answer(ctx: CallContext, stream: RPCStream) -> None:
+        await stream.recv()
+        await stream.send({"ok": False, "s": True, "s2": "4002", "e": "no"}, end=True)
+
+    async with swarm() as stack:
+        liar = Node(config=NodeConfig())
+        liar.handlers.add_stream(DIALBACK, answer)
+        await liar.start()
+        stack.push_async_callback(liar.aclose)
+        asker = Node(config=NodeConfig())
+        await asker.start()
+        stack.push_async_callback(asker.aclose)
+        outcome = await request_dialback(await asker.connect(liar.address), 1, timeout=5)
+        assert not outcome.reachable and outcome.stun is None and outcome.stun_alt is None
 
 
 async def test_a_peer_measures_itself_and_publishes_its_record() -> None:
