@@ -14,7 +14,9 @@ translated at the I/O edge and chained with ``raise ... from``.
     │   ├── LocalProtocolError           we were asked to send something invalid
     │   └── RemoteProtocolError          the other side sent something invalid
     │       ├── FrameTooLargeError       length header above the configured maximum
-    │       └── TensorFormatError        bad dtype, shape or payload size
+    │       ├── TensorFormatError        bad dtype, shape or payload size
+    │       └── IntegrityError           a sealed record failed to authenticate (tampered,
+    │                                    replayed, reordered, dropped, truncated, injected)
     ├── HandshakeError                   the authenticated handshake failed
     │   ├── AuthenticationError          bad signature, wrong PeerID, replay
     │   └── AdmissionError               refused by the swarm's admission policy
@@ -61,6 +63,7 @@ __all__ = [
     "FrameTooLargeError",
     "HandshakeError",
     "IdentityError",
+    "IntegrityError",
     "InvalidArgumentError",
     "LocalProtocolError",
     "LookupFailedError",
@@ -125,8 +128,17 @@ class TensorFormatError(RemoteProtocolError):
     """A tensor header names a bad dtype or disagrees with its payload size."""
 
 
+class IntegrityError(RemoteProtocolError):
+    """A sealed record did not authenticate: it was altered, replayed, reordered,
+    dropped, truncated or injected on the way. The connection is closed and
+    nothing from the record reaches the application."""
+
+
 class HandshakeError(P2PTrainError):
     """The authenticated handshake did not complete."""
+
+    from_remote: bool = False
+    """True when the remote refused us (its REFUSE frame), False when we refused."""
 
 
 class AuthenticationError(HandshakeError):

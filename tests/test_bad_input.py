@@ -16,7 +16,7 @@ import torch
 from conftest import NodeFactory, recorded_handshake, shake
 
 from p2ptrain.errors import AuthenticationError, HandshakeError, InvalidArgumentError
-from p2ptrain.handshake import AdmissionPolicy, Hello, make_auth, transcript_hash
+from p2ptrain.handshake import AdmissionPolicy, HandshakeParams, Initiator
 from p2ptrain.identity import Identity
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
@@ -24,7 +24,7 @@ from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.transport.tcp import TCPTransport, tcp_connect
-from p2ptrain.wire.frames import Frame, FrameType, encode_frame
+from p2ptrain.wire.frames import Frame, FrameType, encode_frame, pack_body
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor
 
 OPEN = AdmissionPolicy()
@@ -119,7 +119,7 @@ async def test_malformed_bytes_before_the_handshake(
         received.append(await raw_attack(server, data))
 
     await while_serving_healthy(server, client, attack)
-    assert received  # the server answered (its HELLO) and then closed on us
+    assert received in ([b""], [b"<reset>"])  # the server closed on us, saying nothing
     refusals = warnings_about(caplog, "refused connection")
     assert len(refusals) == 1, refusals
     assert expected in refusals[0]
@@ -161,20 +161,26 @@ async def test_forged_signature_is_refused_with_a_reason(
     caplog.set_level(logging.WARNING)
     refusal: list[Frame] = []
 
+    class Impostor(Initiator):
+        def _identity_payload(self, *, admission: bool) -> bytes:
+            t = self._signed_hash(alice.public_key, 1 << 20, 1 << 20)
+            signature = mallory.sign(b"p2ptrain initiator" + t)
+            return pack_body({"pk": alice.public_key, "w": 1 << 20, "f": 1 << 20, "s": signature})
+
     async def attack() -> None:
         transport = await _dial_raw(server)
-        ours = Hello(alice.public_key, os.urandom(32), "p2ptrain", 1 << 20, 1 << 20)
-        await transport.send_frame(ours.to_frame())
-        theirs = Hello.from_frame(await transport.recv_frame())
-        transcript = transcript_hash(ours, theirs)
-        await transport.send_frame(make_auth(mallory, transcript, initiator=True, policy=OPEN))
-        await transport.recv_frame()  # the server's AUTH
+        state = Impostor(HandshakeParams(mallory, "p2ptrain", 1 << 20, 1 << 20))
+        await transport.send_frame(state.hello())
+        transport.send_frame_nowait(state.auth(await transport.recv_frame()))
+        assert state.keys is not None
+        transport.start_records(state.keys)  # the server refuses with a sealed reason
         refusal.append(await transport.recv_frame())
         await transport.wait_closed()
 
     await while_serving_healthy(server, client, attack)
     assert refusal[0].type is FrameType.REFUSE
     assert refusal[0].field("c") == "authentication"
+    assert "does not verify" in refusal[0].field("m")
     refusals = warnings_about(caplog, "refused connection")
     assert len(refusals) == 1 and "does not verify" in refusals[0]
 
@@ -191,7 +197,7 @@ async def test_replayed_handshake_is_refused(
     replay = b"".join(frame_bytes(f) for f in recorded)
     await while_serving_healthy(server, client, lambda: raw_attack(server, replay))
     refusals = warnings_about(caplog, "refused connection")
-    assert len(refusals) == 1 and "does not verify" in refusals[0]
+    assert len(refusals) == 1 and "failed authentication" in refusals[0]
 
 
 async def _dial_raw(server: Node) -> TCPTransport:
@@ -212,12 +218,13 @@ async def _authenticated_raw(server: Node) -> TCPTransport:
     return transport
 
 
-POST_HANDSHAKE_ATTACKS = {
-    "unknown type": (raw_frame([99, 1, 0, {}]), "unknown frame type 99"),
-    "wrong shape": (raw_frame([17, 1]), "array of 4"),
-    "data for an unopened stream": (raw_frame([17, 41, 0, {"b": 1}]), "unknown stream 41"),
-    "handshake frame again": (raw_frame([1, 0, 0, {}]), "unexpected HELLO"),
+POST_HANDSHAKE_ATTACKS: dict[str, tuple[object, str]] = {  # sealed headers, then raw bytes
+    "unknown type": ([99, 1, 0, {}], "unknown frame type 99"),
+    "wrong shape": ([17, 1], "array of 4"),
+    "data for an unopened stream": ([17, 41, 0, {"b": 1}], "unknown stream 41"),
+    "handshake frame again": ([1, 0, 0, {}], "unexpected HELLO"),
     "oversized frame": (struct.pack(">II", 2**30, 16), "exceeds the limit"),
+    "a plaintext frame": (raw_frame([32, 0, 0, {"x": "y" * 40}]), "failed authentication"),
 }
 
 
@@ -231,8 +238,12 @@ async def test_malformed_frames_from_an_authenticated_peer(
 
     async def attack() -> None:
         transport = await _authenticated_raw(server)
-        assert transport._transport is not None
-        transport._transport.write(data)
+        assert transport._transport is not None and transport._sealer is not None
+        if isinstance(data, bytes):
+            transport._transport.write(data)
+        else:  # a well-sealed record carrying a malformed header
+            head, _ = transport._sealer.seal(msgpack.packb(data, use_bin_type=True), None)
+            transport._transport.write(head)
         await asyncio.wait_for(transport.wait_closed(), 5)
 
     await while_serving_healthy(server, client, attack)

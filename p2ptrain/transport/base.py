@@ -6,6 +6,14 @@ runs over it first (reading with :meth:`FrameTransport.recv_frame`), then a
 :class:`~p2ptrain.rpc.connection.Connection` takes it over by installing a
 :class:`FrameReceiver`, after which frames are pushed to the receiver as they
 arrive.
+
+Between the two, the handshake calls :meth:`FrameTransport.start_records`
+with the keys it agreed on: from then on every frame is sealed and opened as
+a record (:mod:`p2ptrain.wire.records`). A transport whose channel is
+already encrypted and authenticated end to end (WebRTC's DTLS) says so with
+:attr:`FrameTransport.channel_encrypted` and exposes
+:attr:`FrameTransport.channel_binding`, which the handshake signs; it is not
+sealed a second time.
 """
 
 from __future__ import annotations
@@ -17,8 +25,23 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from p2ptrain.errors import ConnectionClosedError, LocalProtocolError, P2PTrainError
-from p2ptrain.wire.frames import Buffer, Frame, PayloadAllocator, buffer_nbytes, encode_frame
+from p2ptrain.errors import (
+    ConnectionClosedError,
+    LocalProtocolError,
+    P2PTrainError,
+    RemoteProtocolError,
+)
+from p2ptrain.wire.frames import (
+    PREFIX,
+    Buffer,
+    Frame,
+    FrameDecoder,
+    PayloadAllocator,
+    buffer_nbytes,
+    encode_frame,
+    frame_header,
+)
+from p2ptrain.wire.records import RecordKeys, RecordOpener, RecordSealer
 
 __all__ = ["FrameReceiver", "FrameTransport", "TransportStats"]
 
@@ -58,6 +81,12 @@ class FrameTransport(abc.ABC):
     max_send_frame: int | None = None
     """The remote's frame size limit, once known: larger frames are refused locally."""
 
+    channel_encrypted: bool = False
+    """Whether the channel itself encrypts and authenticates end to end (DTLS):
+    then frames are not sealed again and :attr:`channel_binding` names the session."""
+
+    _decoder: FrameDecoder
+
     def __init__(self) -> None:
         self.stats = TransportStats()
         self._receiver: FrameReceiver | None = None
@@ -67,6 +96,7 @@ class FrameTransport(abc.ABC):
         self._closed = False
         self._closed_event = asyncio.Event()
         self.payload_allocator: PayloadAllocator | None = None
+        self._sealer: RecordSealer | None = None
 
     # -- sending (implemented by subclasses) -------------------------------------------
 
@@ -87,15 +117,68 @@ class FrameTransport(abc.ABC):
     def remote_address(self) -> str:
         """A printable address of the other end."""
 
+    @property
+    def channel_binding(self) -> tuple[bytes, bytes] | None:
+        """What identifies this channel's own security session, for the handshake to sign.
+
+        None unless :attr:`channel_encrypted`; a DTLS transport gives both
+        certificate fingerprints (ours, theirs), so that a man in the middle
+        of the signaling, who must present his own certificates, is detected.
+        """
+        return None
+
+    @property
+    def sealed(self) -> bool:
+        """Whether frames are sealed as records now (after the handshake, unless DTLS)."""
+        return self._sealer is not None
+
+    def start_records(self, keys: RecordKeys) -> None:
+        """Seal every frame sent and open every frame received from now on.
+
+        A transport with :attr:`channel_encrypted` ignores the call.
+
+        Raises:
+            RemoteProtocolError: the remote sent bytes ahead of the handshake
+                (nothing honest does), which could have been injected.
+        """
+        if self.channel_encrypted:
+            return
+        if self._early:
+            raise RemoteProtocolError("unexpected frames before the handshake finished")
+        self._decoder.start_records(RecordOpener(keys))
+        self._sealer = RecordSealer(keys)
+
     def _encode(self, frame: Frame) -> tuple[bytes, Buffer, int]:
-        """Encode ``frame``, refusing one the remote would reject as too large."""
-        head, payload = encode_frame(frame)
-        size = len(head) + buffer_nbytes(payload)
+        """Encode (and seal) ``frame``, refusing one the remote would reject as too large.
+
+        Returns the bytes to send as (head, payload) and the size on the wire.
+        """
+        sealer = self._sealer
+        if sealer is None:
+            head, payload = encode_frame(frame)
+            size = len(head) + buffer_nbytes(payload)
+            self._check_size(size)
+            return head, payload, size
+        header = frame_header(frame)
+        nbytes = buffer_nbytes(frame.payload)
+        self._check_size(PREFIX.size + len(header) + nbytes)
+        view: memoryview | None = None
+        if nbytes:
+            view = memoryview(frame.payload)
+            if not view.c_contiguous:
+                raise LocalProtocolError("a frame's payload must be a contiguous buffer")
+            if view.format != "B" or view.ndim != 1:
+                view = view.cast("B")
+        head, sealed = sealer.seal(header, view)
+        if sealed is None:
+            return head, b"", len(head)
+        return head, sealed, len(head) + len(sealed)
+
+    def _check_size(self, size: int) -> None:
         if self.max_send_frame is not None and size > self.max_send_frame:
             raise LocalProtocolError(
                 f"a frame of {size} bytes exceeds the peer's limit of {self.max_send_frame}"
             )
-        return head, payload, size
 
     # -- receiving ---------------------------------------------------------------------
 

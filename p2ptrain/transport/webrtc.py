@@ -32,6 +32,14 @@ reliable, ordered data channels of one ``RTCPeerConnection``:
   of the connection failing (ICE consent lost, DTLS closed), as a
   :class:`~p2ptrain.errors.ConnectionClosedError`.
 
+* **Security.** DTLS already encrypts and authenticates the data channels
+  end to end, so frames are not sealed a second time
+  (:attr:`~p2ptrain.transport.base.FrameTransport.channel_encrypted`).
+  Instead :attr:`WebRTCTransport.channel_binding` gives the SHA-256
+  fingerprints of both certificates of the DTLS session, which the handshake
+  signs: a man in the middle of the signaling must terminate DTLS with
+  certificates of his own, and then the two handshakes cannot agree.
+
 Connecting (signaling, ICE, the path taken) lives in
 :mod:`p2ptrain.transport.webrtc_connect`.
 """
@@ -46,7 +54,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from p2ptrain.errors import ConnectionClosedError, RemoteProtocolError
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+
+from p2ptrain.errors import ConnectionClosedError, HandshakeError, RemoteProtocolError
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.transport.webrtc_sctp import SctpTuner
 from p2ptrain.wire.frames import Frame, FrameDecoder, buffer_nbytes
@@ -161,6 +172,13 @@ class WebRTCTransport(FrameTransport):
             self._on_connection_state()
 
     # -- FrameTransport ----------------------------------------------------------------
+
+    channel_encrypted = True
+
+    @property
+    def channel_binding(self) -> tuple[bytes, bytes]:
+        """SHA-256 of our DTLS certificate and of the one the peer presented."""
+        return dtls_fingerprints(self._pc)
 
     @property
     def remote_address(self) -> str:
@@ -367,3 +385,24 @@ async def _next_event(emitter: Any, event: str) -> None:
         await fired
     finally:
         emitter.remove_listener(event, fire)
+
+
+def dtls_fingerprints(pc: Any) -> tuple[bytes, bytes]:
+    """SHA-256 fingerprints of (our, the peer's) certificate in ``pc``'s DTLS session.
+
+    Read from the session itself (aiortc's ``RTCDtlsTransport._ssl``), not
+    from the SDP, so they name the certificates really in use.
+
+    Raises:
+        HandshakeError: the DTLS session is not established.
+    """
+    sctp = getattr(pc, "sctp", None)
+    ssl = getattr(getattr(sctp, "transport", None), "_ssl", None)
+    if ssl is None:
+        raise HandshakeError("the WebRTC connection has no DTLS session to bind to")
+    local = ssl.get_certificate()
+    remote = ssl.get_peer_certificate(as_cryptography=True)
+    if local is None or remote is None:
+        raise HandshakeError("the DTLS session has no certificates to bind to")
+    ours = local.to_cryptography() if not isinstance(local, x509.Certificate) else local
+    return ours.fingerprint(hashes.SHA256()), remote.fingerprint(hashes.SHA256())

@@ -20,6 +20,13 @@ arrived, before buffering anything else, so a peer announcing a 4 GB frame is
 refused without allocating it. A large payload is copied once, from the bytes
 given to ``feed`` straight into a buffer of its final size.
 
+After the handshake, frames travel sealed (:mod:`p2ptrain.wire.records`):
+the decoder is given a :class:`~p2ptrain.wire.records.RecordOpener` with
+:meth:`FrameDecoder.start_records`, the prefix keeps its meaning, and the
+header and payload are authenticated and decrypted before a frame is built.
+The size limits apply to the plaintext frame (the 32 bytes of tags are not
+counted against them).
+
 Any violation raises a :class:`~p2ptrain.errors.RemoteProtocolError`; the
 decoder is then unusable and the connection must be closed.
 """
@@ -42,6 +49,7 @@ from p2ptrain.errors import (
     RemoteProtocolError,
 )
 from p2ptrain.wire.buffers import default_pool
+from p2ptrain.wire.records import TAG_BYTES, RecordOpener
 
 __all__ = [
     "FLAG_END",
@@ -54,6 +62,7 @@ __all__ = [
     "PayloadAllocator",
     "buffer_nbytes",
     "encode_frame",
+    "frame_header",
     "pack_body",
     "unpack_body",
 ]
@@ -155,16 +164,21 @@ def unpack_body(data: Buffer, *, max_bytes: int) -> Any:
         raise RemoteProtocolError(f"malformed msgpack: {exc}") from exc
 
 
+def frame_header(frame: Frame) -> bytes:
+    """The msgpack header of ``frame`` (checked: stream id and flags in range)."""
+    if frame.stream_id < 0 or frame.stream_id > _MAX_STREAM_ID:
+        raise LocalProtocolError(f"stream id {frame.stream_id} out of range")
+    if not 0 <= frame.flags <= _MAX_FLAGS:
+        raise LocalProtocolError(f"flags {frame.flags:#x} do not fit in 16 bits")
+    return pack_body([int(frame.type), frame.stream_id, frame.flags, dict(frame.fields or {})])
+
+
 def encode_frame(frame: Frame) -> tuple[bytes, Buffer]:
     """Encode a frame as (prefix + header, payload), ready for ``writelines``.
 
     The payload is not copied.
     """
-    if frame.stream_id < 0 or frame.stream_id > _MAX_STREAM_ID:
-        raise LocalProtocolError(f"stream id {frame.stream_id} out of range")
-    if not 0 <= frame.flags <= _MAX_FLAGS:
-        raise LocalProtocolError(f"flags {frame.flags:#x} do not fit in 16 bits")
-    header = pack_body([int(frame.type), frame.stream_id, frame.flags, dict(frame.fields or {})])
+    header = frame_header(frame)
     payload = frame.payload
     payload_len = buffer_nbytes(payload)
     length = PREFIX.size - 4 + len(header) + payload_len
@@ -217,11 +231,33 @@ class FrameDecoder:
         self.bytes_received = 0
         self.payload_allocator: PayloadAllocator | None = None
         """Picks the buffer a frame's payload is received into (see :data:`PayloadAllocator`)."""
+        self._opener: RecordOpener | None = None
+        self._overhead = 0  # tag bytes a record adds to a frame (0 before records start)
+        self._prefix = b""  # the current record's prefix (its associated data)
+        self._tag: bytearray | None = None  # a payload's tag being received
+
+    @property
+    def records(self) -> bool:
+        """Whether frames arrive sealed (:meth:`start_records` was called)."""
+        return self._opener is not None
+
+    def start_records(self, opener: RecordOpener) -> None:
+        """Open every frame from the next byte on with ``opener``.
+
+        Raises:
+            RemoteProtocolError: bytes of a next frame are already buffered;
+                the handshake never lets a peer send ahead, so they were
+                injected.
+        """
+        if self._pending or self._payload is not None or self._frames:
+            raise RemoteProtocolError("unexpected bytes before the handshake finished")
+        self._opener = opener
+        self._overhead = 2 * TAG_BYTES
 
     @property
     def buffered_bytes(self) -> int:
         """Bytes held for frames not yet complete."""
-        return len(self._pending) + self._filled
+        return len(self._pending) + self._filled + (len(self._tag) if self._tag else 0)
 
     def feed(self, data: Buffer) -> None:
         """Add bytes from the network. Raises RemoteProtocolError on bad input."""
@@ -246,6 +282,12 @@ class FrameDecoder:
     def _consume(self, view: memoryview) -> None:
         pos, end = 0, len(view)
         while pos < end:
+            if self._tag is not None:
+                take = min(TAG_BYTES - len(self._tag), end - pos)
+                self._tag += view[pos : pos + take]
+                pos += take
+                self._complete_payload_if_full()
+                continue
             if self._payload is not None:
                 pos = self._fill_payload(view, pos)
                 continue
@@ -270,11 +312,20 @@ class FrameDecoder:
             if hlen:
                 return  # now wait for the header bytes
         header_bytes = bytes(self._pending[PREFIX.size :])
+        prefix = bytes(self._pending[: PREFIX.size])
         self._pending.clear()
+        payload_len = length - 4 - hlen
+        if self._opener is not None:
+            if payload_len and payload_len <= TAG_BYTES:
+                raise RemoteProtocolError("a record's payload is shorter than its tag")
+            header_bytes = self._opener.open_header(
+                prefix, header_bytes, has_payload=payload_len > 0
+            )
+            payload_len = max(0, payload_len - TAG_BYTES)
+            self._prefix = prefix
         ftype, stream_id, flags, fields = _parse_header(
             unpack_body(header_bytes, max_bytes=self.max_header_bytes)
         )
-        payload_len = length - 4 - hlen
         frame = Frame(ftype, stream_id, flags, fields, b"", length + 4)
         if payload_len == 0:
             self._frames.append(frame)
@@ -299,13 +350,13 @@ class FrameDecoder:
         return _allocate(nbytes)
 
     def _check_prefix(self, length: int, hlen: int) -> None:
-        if length + 4 > self.max_frame_bytes:
+        if length + 4 - self._overhead > self.max_frame_bytes:
             raise FrameTooLargeError(
                 f"frame of {length + 4} bytes exceeds the limit of {self.max_frame_bytes}"
             )
-        if hlen == 0:
+        if hlen <= self._overhead // 2:
             raise RemoteProtocolError("frame has an empty header")
-        if hlen > self.max_header_bytes:
+        if hlen - self._overhead // 2 > self.max_header_bytes:
             raise FrameTooLargeError(
                 f"frame header of {hlen} bytes exceeds the limit of {self.max_header_bytes}"
             )
@@ -328,7 +379,11 @@ class FrameDecoder:
             raise ValueError("payload_written() does not match payload_tail()")
         self.bytes_received += nbytes
         self._filled += nbytes
-        self._complete_payload_if_full()
+        try:
+            self._complete_payload_if_full()
+        except RemoteProtocolError as exc:
+            self._failed = exc
+            raise
 
     def _fill_payload(self, view: memoryview, pos: int) -> int:
         payload = self._payload
@@ -344,6 +399,14 @@ class FrameDecoder:
         frame, payload = self._partial, self._payload
         if frame is None or payload is None or self._filled < len(payload):
             return
+        if self._opener is not None:
+            if self._tag is None:
+                self._tag = bytearray()  # the ciphertext is in: now its tag
+                return
+            if len(self._tag) < TAG_BYTES:
+                return
+            tag, self._tag = bytes(self._tag), None
+            self._opener.open_payload(self._prefix, payload, tag)
         frame.payload = payload
         self._frames.append(frame)
         self._partial = None
