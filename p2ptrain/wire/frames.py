@@ -235,6 +235,7 @@ class FrameDecoder:
         self._overhead = 0  # tag bytes a record adds to a frame (0 before records start)
         self._prefix = b""  # the current record's prefix (its associated data)
         self._tag: bytearray | None = None  # a payload's tag being received
+        self._tag_inline = False  # the payload buffer holds ciphertext and tag
 
     @property
     def records(self) -> bool:
@@ -332,9 +333,16 @@ class FrameDecoder:
             return
         self._partial = frame
         self._payload = self._payload_buffer(frame, payload_len)
+        if self._opener is not None and self._payload is None:
+            # No place was asked for: ciphertext and tag land in one buffer,
+            # opened in place in one call.
+            self._payload = _allocate(payload_len + TAG_BYTES)
+            self._tag_inline = True
+        elif self._payload is None:
+            self._payload = _allocate(payload_len)
         self._filled = 0
 
-    def _payload_buffer(self, frame: Frame, nbytes: int) -> memoryview:
+    def _payload_buffer(self, frame: Frame, nbytes: int) -> memoryview | None:
         allocator = self.payload_allocator
         if allocator is not None:
             buffer = allocator(frame, nbytes)
@@ -347,7 +355,7 @@ class FrameDecoder:
                 and buffer.nbytes == nbytes
             ):
                 return buffer
-        return _allocate(nbytes)
+        return None
 
     def _check_prefix(self, length: int, hlen: int) -> None:
         if length + 4 - self._overhead > self.max_frame_bytes:
@@ -399,7 +407,12 @@ class FrameDecoder:
         frame, payload = self._partial, self._payload
         if frame is None or payload is None or self._filled < len(payload):
             return
-        if self._opener is not None:
+        if self._tag_inline:
+            self._tag_inline = False
+            if self._opener is None:  # pragma: no cover - inline only with records
+                raise RuntimeError("decoder state corrupted")
+            payload = self._opener.open_payload_inline(self._prefix, payload)
+        elif self._opener is not None:
             if self._tag is None:
                 self._tag = bytearray()  # the ciphertext is in: now its tag
                 return

@@ -232,6 +232,22 @@ class RecordOpener:
             ) from exc
         direction.frame_done()
 
+    def open_payload_inline(self, prefix: bytes, sealed: memoryview) -> memoryview:
+        """Authenticate and decrypt ciphertext + tag in place; returns the plaintext view."""
+        self._check()
+        direction = self._dir
+        plaintext = sealed[: len(sealed) - TAG_BYTES]
+        counter = direction.take(len(plaintext))
+        try:
+            direction.aead.decrypt_into(nonce(counter), sealed, prefix, plaintext)
+        except InvalidTag as exc:
+            self._failed = True
+            raise IntegrityError(
+                "a record's payload failed authentication (altered on the way)"
+            ) from exc
+        direction.frame_done()
+        return plaintext
+
     def _check(self) -> None:
         if self._failed:
             raise IntegrityError("the record stream already failed authentication")
