@@ -367,7 +367,12 @@ class RelayTransport(FrameTransport):
                 while not self.closed and (frame := self._decoder.next_frame()) is not None:
                     self._deliver(frame)
         except RemoteProtocolError as exc:
-            logger.warning("closing relayed connection via %s: %s", self._relay.short, exc)
+            logger.warning(
+                "closing relayed connection via %s: %s: %s",
+                self._relay.short,
+                type(exc).__name__,
+                exc,
+            )
             self.close(exc)
             return
         except P2PTrainError as exc:

@@ -89,7 +89,9 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
             else:
                 self._decoder.feed(memoryview(self._read_buffer)[:nbytes])
         except RemoteProtocolError as exc:
-            logger.warning("closing connection from %s: %s", self._peername, exc)
+            logger.warning(
+                "closing connection from %s: %s: %s", self._peername, type(exc).__name__, exc
+            )
             self.close(exc)
             return
         while (frame := self._decoder.next_frame()) is not None:
