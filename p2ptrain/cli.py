@@ -25,7 +25,9 @@ from p2ptrain.aio import run
 from p2ptrain.errors import ConfigError, P2PTrainError
 from p2ptrain.handshake import AdmissionPolicy
 from p2ptrain.identity import Identity
+from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
+from p2ptrain.swarm_key import generate_swarm_key, read_swarm_key, write_swarm_key
 
 if TYPE_CHECKING:
     from p2ptrain.nat.config import NATConfig, RelayLimits
@@ -39,6 +41,7 @@ _EXAMPLES = """examples:
   p2ptrain status --join PEERID@203.0.113.7:4001
   p2ptrain bootstrap --host 0.0.0.0 --port 4001 --announce-host 203.0.113.7 --relay
   p2ptrain bench transport --megabytes 64
+  p2ptrain keygen --out swarm.key                 # a private swarm's key (--secret-file)
 """
 
 
@@ -54,7 +57,7 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, default_port: int) -> No
     group.add_argument("--identity", help="key file; created if missing (keeps your PeerID)")
     group.add_argument("--swarm", default="p2ptrain", help="swarm name (peers must agree)")
     group.add_argument(
-        "--secret-file", help="file holding the swarm's admission secret (>= 16 bytes)"
+        "--secret-file", help="the swarm key file (made by `p2ptrain keygen`) members must hold"
     )
 
 
@@ -66,7 +69,16 @@ def _add_join_flags(parser: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         help="a peer of the swarm (peerid@host:port) to join through (repeatable)",
     )
+    _add_tofu_flag(parser)
     parser.add_argument("--run-id", default="charlm", help="the run (default charlm)")
+
+
+def _add_tofu_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-on-first-use",
+        action="store_true",
+        help="accept --join host:port without a PeerID: whoever answers is trusted (warned)",
+    )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -132,8 +144,9 @@ def _build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="ADDR",
-        help="another bootstrap peer to connect to (repeatable)",
+        help="another bootstrap peer to connect to, peerid@host:port (repeatable)",
     )
+    _add_tofu_flag(bootstrap)
     nat = bootstrap.add_argument_group("NAT traversal")
     nat.add_argument(
         "--stun-port", type=int, help="UDP port of the STUN responder (default: same as --port)"
@@ -231,11 +244,24 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_join_flags(status)
     status.add_argument("--swarm", default="p2ptrain", help="swarm name (peers must agree)")
     status.add_argument(
-        "--secret-file", help="file holding the swarm's admission secret (>= 16 bytes)"
+        "--secret-file", help="the swarm key file (made by `p2ptrain keygen`) members must hold"
     )
     status.add_argument(
         "--timeout", type=float, default=20.0, help="seconds to wait for the swarm (default 20)"
     )
+
+    keygen = commands.add_parser(
+        "keygen",
+        help="make a swarm key (256 random bits) for --secret-file",
+        description=(
+            "Write a new swarm key to a file readable by you only. Every member of a "
+            "private swarm passes the same file with --secret-file; peers without it "
+            "are refused, and it cannot be guessed offline."
+        ),
+        epilog="example: p2ptrain keygen --out swarm.key",
+    )
+    keygen.add_argument("--out", default="swarm.key", help="where to write it (swarm.key)")
+    keygen.add_argument("--force", action="store_true", help="replace an existing file")
 
     bench = commands.add_parser(
         "bench",
@@ -255,13 +281,21 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _read_secret(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the secret file {path}: {exc.strerror}") from exc
-    return secret
+    return None if path is None else read_swarm_key(path)
+
+
+def _join_addresses(args: argparse.Namespace) -> tuple[str, ...]:
+    """The --join addresses, each with a PeerID unless --trust-on-first-use."""
+    addresses = tuple(args.join)
+    for text in addresses:
+        address = PeerAddress.parse(text)
+        if address.peer_id is None and not args.trust_on_first_use:
+            raise ConfigError(
+                f"--join {text} names no PeerID, so an impostor could answer; use"
+                " PEERID@HOST:PORT (the bootstrap peer prints it), or pass"
+                " --trust-on-first-use to accept whoever answers"
+            )
+    return addresses
 
 
 def _node_config(args: argparse.Namespace) -> NodeConfig:
@@ -386,7 +420,7 @@ def _run_train(args: argparse.Namespace) -> int:
     )
 
     config = TrainingSessionConfig(
-        initial_peers=tuple(args.join),
+        initial_peers=_join_addresses(args),
         run_id=args.run_id,
         target_batch_size=args.target_batch_size,
         batch_size=args.batch_size,
@@ -432,7 +466,7 @@ def _run_status(args: argparse.Namespace) -> int:
         port=0, swarm=args.swarm, admission=AdmissionPolicy(secret=_read_secret(args.secret_file))
     )
     config = StatusConfig(
-        initial_peers=tuple(args.join), run_id=args.run_id, timeout=args.timeout, node=node
+        initial_peers=_join_addresses(args), run_id=args.run_id, timeout=args.timeout, node=node
     )
     print(status_table(config))
     return 0
@@ -453,7 +487,7 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
         relay=args.relay,
         relay_limits=_relay_limits(args),
     )
-    dht_config = DHTNodeConfig(initial_peers=tuple(args.join))
+    dht_config = DHTNodeConfig(initial_peers=_join_addresses(args))
 
     def announce(info: BootstrapInfo) -> None:
         print(f"bootstrap peer ready; others join with:\n  --join {info.address}", flush=True)
@@ -528,7 +562,19 @@ def _setup_logging(command: str, *, verbose: bool) -> None:
         logging.getLogger("p2ptrain.node").setLevel(logging.WARNING)
 
 
+def _run_keygen(args: argparse.Namespace) -> int:
+    write_swarm_key(args.out, generate_swarm_key(), overwrite=args.force)
+    print(
+        f"wrote a new 256-bit swarm key to {args.out} (mode 0600).\n"
+        "Share that file with each member over a private channel (scp, a password manager;"
+        " not a public chat), and have every peer pass:\n"
+        f"  --secret-file {args.out}"
+    )
+    return 0
+
+
 _COMMANDS = {
+    "keygen": _run_keygen,
     "demo": _run_demo,
     "bootstrap": _run_bootstrap,
     "train": _run_train,

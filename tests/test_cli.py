@@ -14,6 +14,7 @@ from conftest import ChildLines, cli_process
 
 from p2ptrain.aio import run
 from p2ptrain.cli import BENCHMARKS, main
+from p2ptrain.identity import Identity
 from p2ptrain.nat.stun import stun_query
 from p2ptrain.node.address import PeerAddress
 
@@ -64,11 +65,22 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+PINNED = f"{Identity.from_seed(bytes(32)).peer_id}@127.0.0.1:1"
+
+
 def test_user_mistakes_get_one_line_errors(busy_port: int, tmp_path: Path) -> None:
     cases = {
         ("bootstrap", "--port", str(busy_port)): "address already in use",
         ("bootstrap", "--port", "0", "--join", "not-an-address"): "bad address",
-        ("bootstrap", "--port", "0", "--join", f"127.0.0.1:{_free_port()}"): "none of the",
+        (
+            "bootstrap",
+            "--port",
+            "0",
+            "--trust-on-first-use",
+            "--join",
+            f"127.0.0.1:{_free_port()}",
+        ): "none of the",
+        ("bootstrap", "--port", "0", "--join", "127.0.0.1:1"): "--trust-on-first-use",
         ("bootstrap", "--port", "0", "--secret-file", str(tmp_path / "no")): "cannot read",
         ("bootstrap", "--port", "0", "--join", "zz@127.0.0.1:1"): "bad peer id",
     }
@@ -94,7 +106,7 @@ def _joinable_bootstrap(*args: str) -> tuple[ChildLines, str]:
 
 def test_refused_admission_is_one_line(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
-    secret.write_text("the-swarm-secret-of-this-test")
+    assert main(["keygen", "--out", str(secret)]) == 0
     boot, address = _joinable_bootstrap("--secret-file", str(secret))
     try:
         result = run_cli("bootstrap", "--port", "0", "--join", address)
@@ -137,10 +149,10 @@ def test_nat_flags_are_checked() -> None:
         ("bootstrap", "--port", "0", "--relay-mbit", "5"): "need --relay",
         ("bootstrap", "--port", "0", "--relay", "--relay-mbit", "-1"): "positive",
         ("bootstrap", "--host", "0.0.0.0", "--port", "0"): "--announce-host",
-        ("train", "--join", "127.0.0.1:1", "--turn", "turn:h:1"): "need NAT traversal",
-        ("train", "--join", "127.0.0.1:1", "--nat", "auto", "--turn", "stun:h:1"): "--turn takes",
-        ("train", "--join", "127.0.0.1:1", "--nat", "auto", "--turn", "turn:h:1"): "username",
-        ("train", "--join", "127.0.0.1:1", "--host", "0.0.0.0", "--nat", "public"): "announce",
+        ("train", "--join", PINNED, "--turn", "turn:h:1"): "need NAT traversal",
+        ("train", "--join", PINNED, "--nat", "auto", "--turn", "stun:h:1"): "--turn takes",
+        ("train", "--join", PINNED, "--nat", "auto", "--turn", "turn:h:1"): "username",
+        ("train", "--join", PINNED, "--host", "0.0.0.0", "--nat", "public"): "announce",
     }
     for args, fragment in mistakes.items():
         result = run_cli(*args)

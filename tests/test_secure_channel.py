@@ -280,7 +280,7 @@ async def test_recorded_bytes_reveal_no_names_keys_or_payload(
     server_process: tuple[ChildLines, PeerAddress, bytes, Identity],
 ) -> None:
     """Everything a handshake and a call put on the wire, seen by the proxy, is opaque."""
-    server, address, server_key, _ = server_process
+    _, address, server_key, _ = server_process
     proxy = Proxy((address.host, address.port), None)
     port = await proxy.start()
     client_identity = Identity.generate()

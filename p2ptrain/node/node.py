@@ -240,7 +240,17 @@ class Node:
             max_header_bytes=conn_config.max_header_bytes,
             write_high_water=conn_config.write_high_water,
         )
-        return await self._secure(transport, initiator=True, expected=address.peer_id)
+        conn = await self._secure(transport, initiator=True, expected=address.peer_id)
+        if address.peer_id is None:
+            logger.warning(
+                "trusting on first use: %s is peer %s (no PeerID was given to check it"
+                " against; pin it with %s@%s)",
+                address.endpoint,
+                conn.remote_peer,
+                conn.remote_peer,
+                address.endpoint,
+            )
+        return conn
 
     def _on_inbound(self, transport: TCPTransport) -> None:
         if self._closing:
