@@ -132,6 +132,8 @@ async def _serve_p2ptrain(host: str, round_timeout: float, pool_bytes: int | Non
                 "failed": {str(k): v for k, v in report.failed.items()},
                 "page_faults": faults,
                 "pool_allocated": default_pool.allocated - allocated,
+                # every connection of the round carries AES-GCM records (the default)
+                "sealed": [c.transport.sealed for c in node.connections()],
             }
             ok = error <= TOLERANCE and report.complete and not report.failed
             write_message(RoundOutcome(start, end, cpu, error, ok, detail).to_dict())

@@ -11,6 +11,8 @@ Usage::
 each ``--sizes`` MiB:
 
 * ``p2ptrain``: the butterfly all-reduce with equal shares, codec ``none``,
+  every connection encrypted (AES-256-GCM records, the library's default;
+  the log line counts the sealed connections, JSON ``p2ptrain_encrypted``),
   uvloop, ``--chunk-kib`` chunks (the library's default: 4 MiB) and the
   library's buffer pool (``--p2ptrain-pool-mib`` changes how much it keeps;
   ``--profile-dir`` profiles the peers and prints where their CPU goes);
@@ -135,6 +137,11 @@ def _timed(
         faults = sum(d["page_faults"] for d in details)
         fresh = sum(d["pool_allocated"] for d in details)
         text += f", page faults {faults}, fresh pool buffers {fresh}"
+        sealed = [flag for d in details for flag in d.get("sealed", [])]
+        text += f", sealed connections {sum(sealed)}/{len(sealed)}"
+        args.p2ptrain_sealed = bool(sealed) and all(sealed) and getattr(
+            args, "p2ptrain_sealed", True
+        )
     if args.peer_detail:
         for o in round_.outcomes:
             d = o.get("detail", {})
@@ -333,7 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "peers": args.peers,
             "repeats": args.repeats,
             "chunk_bytes": args.chunk_kib * 1024,
-            "p2ptrain_pool_mib": args.p2ptrain_pool_mib,
+            "p2ptrain_encrypted": getattr(args, "p2ptrain_sealed", None),
+        "p2ptrain_pool_mib": args.p2ptrain_pool_mib,
             "statistic": "median",
             "uvloop": uvloop_available(),
             "torch": torch.__version__,
