@@ -16,6 +16,7 @@ from p2ptrain.transport.base import FrameTransport
 from p2ptrain.transport.tcp import TCPTransport, tcp_connect, tcp_listen
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
 from p2ptrain.wire.frames import Frame, FrameType
+from p2ptrain.wire.records import RecordKeys
 
 MiB = 1 << 20
 MAX_FRAME = 9 * MiB
@@ -64,6 +65,16 @@ async def tcp_pair() -> tuple[FrameTransport, FrameTransport]:
 @pytest.mark.parametrize("check", checks(TCP_SUITE), ids=lambda check: check.name)
 async def test_tcp(check: Check) -> None:
     a, b = await tcp_pair()
+    await run_check(check, a, b, timeout=TCP_SUITE.timeout)
+
+
+@pytest.mark.parametrize("check", checks(TCP_SUITE), ids=lambda check: check.name)
+async def test_tcp_sealed(check: Check) -> None:
+    """The same promises hold once records are sealed (rekeying every few frames)."""
+    a, b = await tcp_pair()
+    one, two = bytes(range(32)), bytes(range(1, 33))
+    a.start_records(RecordKeys(send=one, receive=two, rekey_operations=8))
+    b.start_records(RecordKeys(send=two, receive=one, rekey_operations=8))
     await run_check(check, a, b, timeout=TCP_SUITE.timeout)
 
 
