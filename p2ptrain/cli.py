@@ -420,7 +420,7 @@ def _run_train(args: argparse.Namespace) -> int:
     )
 
     config = TrainingSessionConfig(
-        initial_peers=_join_addresses(args),
+        initial_peers=tuple(args.join),
         run_id=args.run_id,
         target_batch_size=args.target_batch_size,
         batch_size=args.batch_size,
@@ -433,6 +433,7 @@ def _run_train(args: argparse.Namespace) -> int:
         nat=_train_nat_config(args),
         task=args.task,
     )
+    _join_addresses(args)  # after the config's own checks: those name the flag to fix first
     with contextlib.ExitStack() as stack:
         log = None
         if args.log_json == "-":

@@ -28,7 +28,7 @@ from p2ptrain.errors import InvalidArgumentError
 from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.wire.buffers import BufferPool
-from p2ptrain.wire.frames import Frame, FrameType, encode_frame
+from p2ptrain.wire.frames import Frame, FrameType, frame_header
 
 
 async def test_a_payload_lands_in_the_buffer_the_stream_names(make_node: NodeFactory) -> None:
@@ -149,16 +149,21 @@ async def test_an_average_still_arriving_when_the_round_ends_cannot_touch_the_re
         header, _ = codec_for("none", 1).encode(torch.zeros(stop - start))
         body = ResultHeader(0, (0, 1), (), header).to_body()
         payload = b"\xff" * ((stop - start) * 4)  # NaN everywhere
-        head, _ = encode_frame(Frame(FrameType.DATA, stream.stream_id, 0, {"b": body}, payload))
+        frame = Frame(FrameType.DATA, stream.stream_id, 0, {"b": body}, payload)
         connection = fake.connection_to(node.peer_id)
-        assert connection is not None
+        assert connection is not None and connection.transport._sealer is not None
+        head, sealed = connection.transport._sealer.seal(  # a record, as the channel needs
+            frame_header(frame), memoryview(payload)
+        )
+        assert sealed is not None
+        record = head + bytes(sealed)
         raw = connection.transport._transport  # type: ignore[attr-defined]
-        raw.write(head + payload[: len(payload) // 2])
+        raw.write(record[: len(record) // 2])
         # Nothing else may be written until the rest of this frame (e.g. the
         # RESET answering member 0's at the end of its round): drop it.
         connection.transport.send_frame_nowait = lambda frame: 0  # type: ignore[method-assign]
         fake_transports.append(connection.transport)
-        stalled.set_result((raw, payload[len(payload) // 2 :]))
+        stalled.set_result((raw, record[len(record) // 2 :]))
         await asyncio.Event().wait()
 
     fake.handlers.add_stream(METHOD, reducer)
