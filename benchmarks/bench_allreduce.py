@@ -139,8 +139,8 @@ def _timed(
         text += f", page faults {faults}, fresh pool buffers {fresh}"
         sealed = [flag for d in details for flag in d.get("sealed", [])]
         text += f", sealed connections {sum(sealed)}/{len(sealed)}"
-        args.p2ptrain_sealed = bool(sealed) and all(sealed) and getattr(
-            args, "p2ptrain_sealed", True
+        args.p2ptrain_sealed = (
+            bool(sealed) and all(sealed) and getattr(args, "p2ptrain_sealed", True)
         )
     if args.peer_detail:
         for o in round_.outcomes:
@@ -341,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeats": args.repeats,
             "chunk_bytes": args.chunk_kib * 1024,
             "p2ptrain_encrypted": getattr(args, "p2ptrain_sealed", None),
-        "p2ptrain_pool_mib": args.p2ptrain_pool_mib,
+            "p2ptrain_pool_mib": args.p2ptrain_pool_mib,
             "statistic": "median",
             "uvloop": uvloop_available(),
             "torch": torch.__version__,
