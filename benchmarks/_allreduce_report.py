@@ -38,7 +38,7 @@ __all__ = [
 MiB = 1 << 20
 GiB = 1 << 30
 
-SYSTEMS = ("p2ptrain", "gloo", "hivemind")
+SYSTEMS = ("p2ptrain", "p2ptrain-plaintext", "gloo", "hivemind")
 GLOO_GOAL = 1.5
 """p2ptrain's time may be at most this multiple of gloo's."""
 HIVEMIND_GOAL = 5.0
@@ -140,8 +140,10 @@ def loopback_report(
             if ours is None or theirs is None or not ours.rounds or not theirs.rounds
             else ours.cpu_s_per_gb / theirs.cpu_s_per_gb
         )
+        plain = _ratio(by_key.get(("p2ptrain-plaintext", size * MiB)), theirs)
         ratios[f"{size}MiB"] = {
             "p2ptrain_over_gloo": None if vs_gloo is None else round(vs_gloo, 3),
+            "p2ptrain_plaintext_over_gloo": None if plain is None else round(plain, 3),
             "p2ptrain_over_gloo_cpu": None if cpu_ratio is None else round(cpu_ratio, 3),
             "hivemind_over_p2ptrain": None if vs_hm is None else round(vs_hm, 2),
         }

@@ -70,18 +70,22 @@ def start_p2ptrain(
     timeout: float,
     pool_mib: int | None = None,
     profile: str | None = None,
+    insecure_plaintext: bool = False,
 ) -> list[PeerAddress]:
     """Start one p2ptrain node per host; return their addresses.
 
     ``pool_mib`` overrides the idle bytes of p2ptrain's buffer pool (``None``:
     the library's default); ``profile`` is a cProfile output path for every
-    peer (``{pid}`` expands).
+    peer (``{pid}`` expands); ``insecure_plaintext`` runs the peers with the
+    trusted-cluster opt-out (no records after the handshake).
     """
     base = [sys.executable, WORKER, "p2ptrain", "--timeout", str(timeout)]
     if pool_mib is not None:
         base += ["--pool-mib", str(pool_mib)]
     if profile is not None:
         base += ["--profile", profile]
+    if insecure_plaintext:
+        base += ["--insecure-plaintext"]
     argvs = [wrap(i, [*base, "--host", host]) for i, host in enumerate(hosts)]
     hellos = group.start(argvs, timeout=START_TIMEOUT)
     return [PeerAddress.parse(hello["hello"]) for hello in hellos]

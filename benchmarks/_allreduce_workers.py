@@ -71,7 +71,9 @@ class _Inputs:
 # -- p2ptrain ---------------------------------------------------------------------------------
 
 
-async def _serve_p2ptrain(host: str, round_timeout: float, pool_bytes: int | None) -> None:
+async def _serve_p2ptrain(
+    host: str, round_timeout: float, pool_bytes: int | None, plaintext: bool = False
+) -> None:
     import msgpack
 
     from p2ptrain.allreduce import AllReduceConfig, AllReduceService, GroupPlan
@@ -85,7 +87,7 @@ async def _serve_p2ptrain(host: str, round_timeout: float, pool_bytes: int | Non
     loop = asyncio.get_running_loop()
     inputs = _Inputs()
     config = AllReduceConfig()  # codec none, plain mean
-    async with Node(config=NodeConfig(host=host)) as node:
+    async with Node(config=NodeConfig(host=host, insecure_plaintext=plaintext)) as node:
         service = AllReduceService(node, join_timeout=round_timeout)
         write_message({"hello": str(node.address), "pid": os.getpid()})
         plan: GroupPlan | None = None
@@ -197,6 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         help="p2ptrain: idle bytes its buffer pool keeps, MiB (default: the library's)",
     )
+    parser.add_argument(
+        "--insecure-plaintext",
+        action="store_true",
+        help="p2ptrain: frames unencrypted after the handshake (the trusted-cluster opt-out)",
+    )
     args: Any = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     pool_bytes = None if args.pool_mib is None else args.pool_mib * (1 << 20)
@@ -217,10 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             has_uvloop()  # imports uvloop
 
             with cProfile.Profile(time.process_time) as profiler:  # CPU, not waiting
-                run(_serve_p2ptrain(args.host, args.timeout, pool_bytes))
+                run(_serve_p2ptrain(args.host, args.timeout, pool_bytes, args.insecure_plaintext))
             profiler.dump_stats(args.profile.format(pid=os.getpid()))
         else:
-            run(_serve_p2ptrain(args.host, args.timeout, pool_bytes))
+            run(_serve_p2ptrain(args.host, args.timeout, pool_bytes, args.insecure_plaintext))
     else:
         if args.master is None:
             parser.error("gloo needs --master")

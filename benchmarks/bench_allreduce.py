@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/bench_allreduce.py [--sizes 4,64,256] [--repeats 5] [--peers 4]
         [--chunk-kib 4096] [--p2ptrain-pool-mib N] [--profile-dir DIR] [--peer-detail]
-        [--hivemind-python PATH | --no-hivemind] [--skip-hetero] [--hetero-mb 16]
+        [--hivemind-python PATH | --no-hivemind] [--no-plaintext] [--skip-hetero] [--hetero-mb 16]
         [--hetero-chunk-kib 256] [--hetero-repeats N] [--png allreduce.png] [--json-only]
 
 **Loopback.** ``--peers`` processes per system average a float32 vector of
@@ -16,6 +16,9 @@ each ``--sizes`` MiB:
   uvloop, ``--chunk-kib`` chunks (the library's default: 4 MiB) and the
   library's buffer pool (``--p2ptrain-pool-mib`` changes how much it keeps;
   ``--profile-dir`` profiles the peers and prints where their CPU goes);
+* ``p2ptrain-plaintext``: the same peers with ``--insecure-plaintext`` (the
+  trusted-cluster opt-out: no records after the handshake), to show what
+  encryption costs in the same run (``--no-plaintext`` leaves them out);
 * ``gloo``: ``torch.distributed.all_reduce(SUM)`` over gloo (TCP store on
   loopback), then a division by the world size;
 * ``hivemind``: hivemind's ``DecentralizedAverager`` in its own virtual
@@ -56,7 +59,9 @@ from typing import Any
 
 import torch
 
+from p2ptrain.allreduce import GroupPlan
 from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
+from p2ptrain.node.address import PeerAddress
 from p2ptrain.testing.natlab_netns import python_env
 
 if not __package__:  # run as a script: make the benchmarks package importable
@@ -139,9 +144,10 @@ def _timed(
         text += f", page faults {faults}, fresh pool buffers {fresh}"
         sealed = [flag for d in details for flag in d.get("sealed", [])]
         text += f", sealed connections {sum(sealed)}/{len(sealed)}"
-        args.p2ptrain_sealed = (
-            bool(sealed) and all(sealed) and getattr(args, "p2ptrain_sealed", True)
-        )
+        if series.system == "p2ptrain":  # the default rows: every connection sealed?
+            args.p2ptrain_sealed = (
+                bool(sealed) and all(sealed) and getattr(args, "p2ptrain_sealed", True)
+            )
     if args.peer_detail:
         for o in round_.outcomes:
             d = o.get("detail", {})
@@ -156,11 +162,22 @@ def _timed(
         series.rounds.append(round_)
 
 
+def _plan(args: argparse.Namespace, addresses: Sequence[PeerAddress], numel: int) -> GroupPlan:
+    n = len(addresses)
+    return p2ptrain_plan(
+        addresses, [1 / n] * n, numel, chunk_elements=args.chunk_kib * 256, timeout=args.timeout
+    )
+
+
 def measure_p2ptrain_and_gloo(args: argparse.Namespace) -> list[Series]:
     """Both systems' peers run side by side; their rounds alternate."""
     n, env = args.peers, python_env()
     results = []
-    with PeerGroup("p2ptrain", env=env) as ours, PeerGroup("gloo", env=env) as gloo:
+    with (
+        PeerGroup("p2ptrain", env=env) as ours,
+        PeerGroup("gloo", env=env) as gloo,
+        PeerGroup("p2ptrain-plaintext", env=env) as plain,
+    ):
         profile = None
         if args.profile_dir:
             profile = os.path.join(os.path.abspath(args.profile_dir), "p2ptrain-{pid}.prof")
@@ -172,25 +189,31 @@ def measure_p2ptrain_and_gloo(args: argparse.Namespace) -> list[Series]:
             profile=profile,
         )
         start_gloo(gloo, f"127.0.0.1:{free_port()}", n, ifname="lo", timeout=args.timeout)
+        plain_addresses = []
+        if args.plaintext_rows:
+            plain_addresses = start_p2ptrain(
+                plain,
+                ["127.0.0.1"] * n,
+                timeout=args.timeout,
+                pool_mib=args.p2ptrain_pool_mib,
+                insecure_plaintext=True,
+            )
         for size in args.sizes:
             numel = size * MiB // 4
             mine = Series("p2ptrain", n, numel * 4)
             theirs = Series("gloo", n, numel * 4)
+            unsealed = Series("p2ptrain-plaintext", n, numel * 4)
             for attempt in range(1 + args.repeats):
-                plan = p2ptrain_plan(
-                    addresses,
-                    [1 / n] * n,
-                    numel,
-                    chunk_elements=args.chunk_kib * 256,
-                    timeout=args.timeout,
-                )
                 runs = [
-                    (mine, ours, p2ptrain_prepares(plan)),
+                    (mine, ours, p2ptrain_prepares(_plan(args, addresses, numel))),
                     (theirs, gloo, vector_prepares(n, numel)),
                 ]
+                if plain_addresses:
+                    plan = _plan(args, plain_addresses, numel)
+                    runs.append((unsealed, plain, p2ptrain_prepares(plan)))
                 for series, group, prepares in runs if attempt % 2 == 0 else runs[::-1]:
                     _timed(args, series, attempt, group, prepares)
-            results += [mine, theirs]
+            results += [mine, theirs] + ([unsealed] if plain_addresses else [])
     return results
 
 
@@ -248,6 +271,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--hivemind-python", help="interpreter with hivemind installed")
     parser.add_argument("--no-hivemind", action="store_true", help="leave hivemind out")
+    parser.add_argument(
+        "--no-plaintext",
+        dest="plaintext_rows",
+        action="store_false",
+        help="leave out the p2ptrain-plaintext rows (--insecure-plaintext peers)",
+    )
     parser.add_argument(
         "--hivemind-matchmaking-s", type=float, default=2.0, help="hivemind min_matchmaking_time"
     )

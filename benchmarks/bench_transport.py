@@ -25,9 +25,10 @@ loopback:
   the table reports the median run.
 * the ``rpc`` path is p2ptrain's default, so it is encrypted end to end
   (AES-256-GCM records after an X25519/Ed25519 handshake, see
-  docs/security.md); there is no plaintext RPC path, so ``rpc_MBps`` and
-  ``secure_rpc_MBps`` are the same figure. The goal: at least 0.60 of the
-  raw socket's throughput at 1 MiB chunks.
+  docs/security.md): ``secure_rpc_MBps``. The ``rpc-plaintext`` path is the
+  same with ``--insecure-plaintext`` on both ends (the trusted-cluster
+  opt-out): ``rpc_MBps``. The goal: encrypted RPC at least 0.60 of the raw
+  socket's throughput at 1 MiB chunks.
 * handshakes: ``--handshakes`` fresh handshakes with the server on new TCP
   connections (the connect itself not timed); ``handshake_ms`` is the median.
 * round trips: ``--rtt-calls`` sequential tiny requests after a warm-up
@@ -281,9 +282,9 @@ async def _rpc_cpu(context: CallContext, request: Message) -> Message:
     return Message(cpu_seconds())
 
 
-async def serve_rpc(ready: Callable[[str], None]) -> None:
+async def serve_rpc(ready: Callable[[str], None], *, plaintext: bool = False) -> None:
     """Server role of the ``rpc`` path: a Node serving the sink and the echo."""
-    async with Node(config=NodeConfig()) as node:
+    async with Node(config=NodeConfig(insecure_plaintext=plaintext)) as node:
         node.handlers.add_stream(SINK_METHOD, _rpc_sink)
         node.handlers.add_unary(ECHO_METHOD, _rpc_echo)
         node.handlers.add_unary(CPU_METHOD, _rpc_cpu)
@@ -294,6 +295,9 @@ async def serve_rpc(ready: Callable[[str], None]) -> None:
 class RPCClient(PathClient):
     """Client of the ``rpc`` path: one Node, one pooled connection to the server."""
 
+    plaintext = False
+    """Whether the connection runs with ``insecure_plaintext`` (no records)."""
+
     def __init__(self) -> None:
         self._node: Node | None = None
         self._address: PeerAddress | None = None
@@ -303,7 +307,7 @@ class RPCClient(PathClient):
         # Parsed once, as a caller holding a PeerAddress would: Node.call(str) re-parses the
         # text (base32 PeerID included) on every call.
         self._address = PeerAddress.parse(address)
-        self._node = Node(config=NodeConfig())
+        self._node = Node(config=NodeConfig(insecure_plaintext=self.plaintext))
         await self._node.start()
         await self._node.connect(self._address)
 
@@ -390,6 +394,17 @@ class RPCClient(PathClient):
         if self._node is not None:
             await self._node.aclose()
             self._node = None
+
+
+async def serve_rpc_plaintext(ready: Callable[[str], None]) -> None:
+    """Server role of the ``rpc-plaintext`` path (``--insecure-plaintext``)."""
+    await serve_rpc(ready, plaintext=True)
+
+
+class PlaintextRPCClient(RPCClient):
+    """Client of the ``rpc-plaintext`` path: frames after the handshake unsealed."""
+
+    plaintext = True
 
 
 # -- raw asyncio socket baseline -----------------------------------------------------------
@@ -587,7 +602,13 @@ class RawClient(PathClient):
 PATHS: dict[str, BenchPath] = {
     path.key: path
     for path in (
-        BenchPath("rpc", "p2ptrain RPC (tcp)", serve_rpc, RPCClient),
+        BenchPath("rpc", "p2ptrain RPC (tcp, encrypted)", serve_rpc, RPCClient),
+        BenchPath(
+            "rpc-plaintext",
+            "p2ptrain RPC (tcp, --insecure-plaintext)",
+            serve_rpc_plaintext,
+            PlaintextRPCClient,
+        ),
         BenchPath("raw", "raw asyncio socket", serve_raw, RawClient),
     )
 }
@@ -755,6 +776,7 @@ def report(
     summaries = {key: res.summary() for key, res in results.items()}
     base = summaries[BASELINE]
     rpc = summaries["rpc"]
+    plain = summaries.get("rpc-plaintext", rpc)
     ratio = rpc["MBps"] / base["MBps"]
     handshake_ms = median(args.handshake_ms) if args.handshake_ms else math.nan
     loop = "uvloop" if args.uvloop else "asyncio"
@@ -764,6 +786,7 @@ def report(
         print(
             f"encrypted rpc/raw throughput ratio {ratio:.2f} ({verdict} the {SECURE_GOAL:.2f} goal)"
         )
+        print(f"encrypted/plaintext rpc throughput {rpc['MBps'] / plain['MBps']:.2f}")
         print(f"handshake (X25519 + Ed25519, loopback): median {handshake_ms:.2f} ms")
         _print_all_paths(args, summaries, webrtc)
     if args.png:
@@ -779,8 +802,9 @@ def report(
         )
     return {
         "secure_rpc_MBps": rpc["MBps"],
-        "rpc_MBps": rpc["MBps"],  # every RPC connection is encrypted: no plaintext path exists
+        "rpc_MBps": plain["MBps"],  # with --insecure-plaintext on both ends
         "raw_MBps": base["MBps"],
+        "secure_over_plaintext": round(rpc["MBps"] / plain["MBps"], 3),
         "handshake_ms": round(handshake_ms, 3),
         "handshake_ms_p90": round(percentile(args.handshake_ms, 90), 3)
         if args.handshake_ms

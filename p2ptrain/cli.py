@@ -59,6 +59,11 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, default_port: int) -> No
     group.add_argument(
         "--secret-file", help="the swarm key file (made by `p2ptrain keygen`) members must hold"
     )
+    group.add_argument(
+        "--insecure-plaintext",
+        action="store_true",
+        help="trusted clusters only: do not encrypt frames after the handshake (all peers must)",
+    )
 
 
 def _add_join_flags(parser: argparse.ArgumentParser) -> None:
@@ -305,6 +310,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         announce_host=args.announce_host,
         swarm=args.swarm,
         admission=AdmissionPolicy(secret=_read_secret(args.secret_file)),
+        insecure_plaintext=args.insecure_plaintext,
     )
 
 

@@ -100,6 +100,7 @@ _RECORDS_INFO = b"p2ptrain/records/v2"
 _ROLES = {True: b"p2ptrain initiator", False: b"p2ptrain responder"}
 _ADMISSION = {True: b"p2ptrain admission initiator", False: b"p2ptrain admission responder"}
 _MAX_PAYLOAD = 4096
+_PLAINTEXT = b"insecure-plaintext"
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,9 @@ class HandshakeParams:
         policy: who we admit.
         expected_peer: the PeerID we dialed, if we know it.
         channel_binding: (ours, theirs) fingerprints of a DTLS session, or None.
+        insecure_plaintext: leave the frames after the handshake unsealed (a
+            trusted cluster's opt-out; both sides must ask for it, or the
+            responder refuses with ``plaintext``). Off by default.
     """
 
     identity: Identity
@@ -147,6 +151,7 @@ class HandshakeParams:
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     expected_peer: PeerID | None = None
     channel_binding: tuple[bytes, bytes] | None = None
+    insecure_plaintext: bool = False
 
 
 @dataclass(frozen=True)
@@ -329,9 +334,13 @@ class Initiator(_Side):
         """Frame 1."""
         tag, e = swarm_tag(self.params.swarm), _raw_public(self.ephemeral)
         self.transcript.mix_hash(struct.pack(">I", PROTOCOL_VERSION))
+        fields: dict[str, Any] = {"v": PROTOCOL_VERSION, "sw": tag, "e": e}
+        if self.params.insecure_plaintext:
+            self.transcript.mix_hash(_PLAINTEXT)
+            fields["p"] = True
         self.transcript.mix_hash(tag)
         self.transcript.mix_hash(e)
-        return Frame(FrameType.HELLO, fields={"v": PROTOCOL_VERSION, "sw": tag, "e": e})
+        return Frame(FrameType.HELLO, fields=fields)
 
     def auth(self, reply: Frame) -> Frame:
         """Check frame 2 (the responder's identity); returns frame 3. Sets :attr:`keys`."""
@@ -380,7 +389,19 @@ class Responder(_Side):
         if not hmac.compare_digest(tag, swarm_tag(self.params.swarm)):
             raise _SwarmMismatchError("the remote belongs to another swarm")
         e_i = _bytes_field(hello, "e", 32)
+        plaintext = hello.field("p", False)
+        if not isinstance(plaintext, bool):
+            raise RemoteProtocolError("HELLO: field 'p' must be a bool")
+        if plaintext != self.params.insecure_plaintext:
+            raise _PlaintextMismatchError(
+                "the remote asks for unencrypted frames (--insecure-plaintext) and this"
+                " peer does not"
+                if plaintext
+                else "this peer allows only unencrypted frames (--insecure-plaintext)"
+            )
         self.transcript.mix_hash(struct.pack(">I", PROTOCOL_VERSION))
+        if plaintext:
+            self.transcript.mix_hash(_PLAINTEXT)
         self.transcript.mix_hash(tag)
         self.transcript.mix_hash(e_i)
         e_r = _raw_public(self.ephemeral)
@@ -429,6 +450,7 @@ _GENERIC = {
     "swarm": "the swarms differ",
     "version": f"this peer speaks handshake version {PROTOCOL_VERSION}",
     "protocol": "malformed handshake",
+    "plaintext": "both peers must agree on --insecure-plaintext",
 }
 
 
@@ -451,6 +473,8 @@ def _refusal_code(exc: P2PTrainError) -> str:
         return "swarm"
     if isinstance(exc, _VersionMismatchError):
         return "version"
+    if isinstance(exc, _PlaintextMismatchError):
+        return "plaintext"
     return "protocol"
 
 
@@ -459,6 +483,10 @@ class _SwarmMismatchError(HandshakeError):
 
 
 class _VersionMismatchError(HandshakeError):
+    pass
+
+
+class _PlaintextMismatchError(HandshakeError):
     pass
 
 
@@ -473,8 +501,13 @@ async def perform_handshake(
     policy: AdmissionPolicy,
     expected_peer: PeerID | None = None,
     timeout: float,
+    insecure_plaintext: bool = False,
 ) -> HandshakeResult:
     """Run the handshake over a fresh transport; on success its frames are sealed.
+
+    With ``insecure_plaintext`` (both sides must ask for it) the frames after
+    the handshake travel unencrypted and unauthenticated: for trusted
+    clusters only.
 
     Raises:
         HandshakeError: the remote failed authentication or admission, or
@@ -490,6 +523,7 @@ async def perform_handshake(
         policy,
         expected_peer,
         transport.channel_binding if transport.channel_encrypted else None,
+        insecure_plaintext,
     )
     try:
         async with asyncio.timeout(timeout):
@@ -508,7 +542,7 @@ async def _run_initiator(transport: FrameTransport, state: Initiator) -> Handsha
     try:
         auth = state.auth(reply)
         transport.send_frame_nowait(auth)
-        if state.keys is not None:  # always: set with frame 3
+        if state.keys is not None and not state.params.insecure_plaintext:
             transport.start_records(state.keys)  # before any byte of frame 4 is read
         accept = await transport.recv_frame()
         transport.send_frame_nowait(state.finish(accept))
@@ -521,6 +555,7 @@ async def _run_initiator(transport: FrameTransport, state: Initiator) -> Handsha
 
 
 async def _run_responder(transport: FrameTransport, state: Responder) -> HandshakeResult:
+    plaintext = state.params.insecure_plaintext
     first = await transport.recv_frame()
     try:
         await transport.send_frame(state.reply(first))
@@ -528,7 +563,7 @@ async def _run_responder(transport: FrameTransport, state: Responder) -> Handsha
         try:
             accept = state.accept(auth)
         finally:
-            if state.keys is not None and not transport.closed:
+            if state.keys is not None and not transport.closed and not plaintext:
                 transport.start_records(state.keys)  # a refusal, too, travels sealed
         transport.send_frame_nowait(accept)
         state.finish(await transport.recv_frame())

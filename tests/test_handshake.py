@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from conftest import recorded_handshake, shake
@@ -21,6 +22,7 @@ from p2ptrain.handshake import (
     HandshakeResult,
     Initiator,
     Responder,
+    perform_handshake,
     swarm_tag,
 )
 from p2ptrain.identity import Identity, PeerID
@@ -240,3 +242,72 @@ async def test_malformed_hello_is_a_protocol_error() -> None:
     with pytest.raises(RemoteProtocolError, match="'e' is malformed"):
         await shake(victim, Identity.generate(), initiator=False)
     assert isinstance(attacker, MemoryTransport)
+
+
+async def test_insecure_plaintext_needs_both_sides() -> None:
+    """The trusted-cluster opt-out: both must ask for it; nobody can be talked into it."""
+    alice, bob = Identity.generate(), Identity.generate()
+    for a_plain, b_plain in ((True, False), (False, True)):
+        a, b = memory_transport_pair()
+        ra, rb = await asyncio.gather(
+            perform_handshake(
+                a,
+                alice,
+                initiator=True,
+                swarm="s",
+                stream_window=1 << 20,
+                max_frame_bytes=1 << 20,
+                policy=OPEN,
+                timeout=5,
+                insecure_plaintext=a_plain,
+            ),
+            perform_handshake(
+                b,
+                bob,
+                initiator=False,
+                swarm="s",
+                stream_window=1 << 20,
+                max_frame_bytes=1 << 20,
+                policy=OPEN,
+                timeout=5,
+                insecure_plaintext=b_plain,
+            ),
+            return_exceptions=True,
+        )
+        assert isinstance(rb, HandshakeError) and "--insecure-plaintext" in str(rb)
+        assert isinstance(ra, HandshakeError) and "plaintext" in str(ra)
+    a, b = memory_transport_pair()
+    ra, rb = await asyncio.gather(
+        perform_handshake(
+            a,
+            alice,
+            initiator=True,
+            swarm="s",
+            stream_window=1 << 20,
+            max_frame_bytes=1 << 20,
+            policy=OPEN,
+            timeout=5,
+            insecure_plaintext=True,
+        ),
+        perform_handshake(
+            b,
+            bob,
+            initiator=False,
+            swarm="s",
+            stream_window=1 << 20,
+            max_frame_bytes=1 << 20,
+            policy=OPEN,
+            timeout=5,
+            insecure_plaintext=True,
+        ),
+    )
+    assert ra.peer_id == bob.peer_id and rb.peer_id == alice.peer_id
+    assert not a.sealed and not b.sealed
+    # The choice is in the transcript: a HELLO with the flag added on the way fails.
+    initiator, responder = _vector_states()
+    hello = initiator.hello()
+    forged = Frame(FrameType.HELLO, fields={**(hello.fields or {}), "p": True})
+    plain_params = dataclasses.replace(responder.params, insecure_plaintext=True)
+    plain_responder = Responder(plain_params)
+    with pytest.raises(AuthenticationError):
+        initiator.auth(plain_responder.reply(forged))

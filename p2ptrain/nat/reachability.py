@@ -218,6 +218,7 @@ class DialbackServer:
                 policy=self._node.config.admission,
                 expected_peer=ctx.peer,
                 timeout=self._timeout,
+                insecure_plaintext=self._node.config.insecure_plaintext,
             )
         except (HandshakeError, RemoteProtocolError, TransportTimeoutError) as exc:
             return f"{host}:{port} answered but is not the caller: {exc}"

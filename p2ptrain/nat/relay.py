@@ -12,8 +12,10 @@ stream into a :class:`~p2ptrain.transport.base.FrameTransport`: the encoded
 frames form a byte stream that is cut into messages of at most
 ``chunk_bytes``, and the receiver feeds them to a
 :class:`~p2ptrain.wire.frames.FrameDecoder`. The identity handshake then runs
-end to end over this transport, so the relay sees only ciphertext-free but
-authenticated traffic it cannot impersonate: it does not hold either key.
+end to end over this transport and every frame after it is a sealed record
+(:mod:`p2ptrain.wire.records`), so the relay forwards ciphertext it can
+neither read nor alter undetected, and cannot impersonate either end: it
+holds none of their keys.
 
 Flow control is the RPC streams' own: each hop has a window, so a slow
 receiver slows the relay, which slows the sender. The relay charges every
@@ -262,8 +264,10 @@ class RelayTransport(FrameTransport):
         head, payload, size = self._encode(frame)
         self._queue.append(head)
         if buffer_nbytes(payload):
-            # The caller may reuse its buffer once we return: keep our own copy.
-            self._queue.append(payload if isinstance(payload, bytes) else bytes(payload))
+            # The caller may reuse its buffer once we return: keep our own copy
+            # (a sealed payload is ours already: the record layer encrypted it into it).
+            keep = isinstance(payload, bytes) or self.sealed
+            self._queue.append(payload if keep else bytes(payload))
         self._queued += size
         self.stats.frames_sent += 1
         self.stats.bytes_sent += size

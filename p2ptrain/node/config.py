@@ -25,6 +25,9 @@ class NodeConfig:
         dial_timeout: seconds to open a TCP connection.
         reuse_port: listen with SO_REUSEPORT, so outgoing connections can be
             opened from the listening port (TCP hole punching needs it).
+        insecure_plaintext: leave frames after the handshake unencrypted and
+            unauthenticated, for a trusted cluster (every peer must set it;
+            others refuse). Off by default; see docs/security.md.
     """
 
     host: str = "127.0.0.1"
@@ -35,6 +38,7 @@ class NodeConfig:
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     dial_timeout: float = 10.0
     reuse_port: bool = False
+    insecure_plaintext: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -116,6 +116,11 @@ class Node:
             reuse_port=self.config.reuse_port,
         )
         logger.info("node %s listening on %s", self.peer_id.short, self.address.endpoint)
+        if self.config.insecure_plaintext:
+            logger.warning(
+                "insecure plaintext: frames after the handshake are neither encrypted nor"
+                " authenticated; use this only inside a network you trust"
+            )
 
     async def __aenter__(self) -> Node:
         await self.start()
@@ -299,6 +304,7 @@ class Node:
                 policy=self.config.admission,
                 expected_peer=expected,
                 timeout=conn_config.handshake_timeout,
+                insecure_plaintext=self.config.insecure_plaintext,
             )
             secured = True
         finally:
