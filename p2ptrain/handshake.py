@@ -231,6 +231,14 @@ def _raw_public(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
+def _exchange(ours: X25519PrivateKey, theirs: bytes) -> bytes:
+    """X25519 with the remote's ephemeral key; a low-order key is a protocol error."""
+    try:
+        return ours.exchange(X25519PublicKey.from_public_bytes(theirs))
+    except ValueError as exc:  # cryptography refuses an all-zero shared secret
+        raise RemoteProtocolError("the remote's ephemeral key is invalid") from exc
+
+
 def _is_uint(value: object, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
@@ -348,7 +356,7 @@ class Initiator(_Side):
         e_r = _bytes_field(reply, "e", 32)
         sealed = _bytes_field(reply, "c")
         self.transcript.mix_hash(e_r)
-        self.transcript.mix_key(self.ephemeral.exchange(X25519PublicKey.from_public_bytes(e_r)))
+        self.transcript.mix_key(_exchange(self.ephemeral, e_r))
         result, _ = self._check_identity(*self._open_identity(sealed))
         payload = self._identity_payload(admission=True)
         frame = Frame(FrameType.AUTH, fields={"c": self.transcript.seal(payload)})
@@ -406,7 +414,7 @@ class Responder(_Side):
         self.transcript.mix_hash(e_i)
         e_r = _raw_public(self.ephemeral)
         self.transcript.mix_hash(e_r)
-        self.transcript.mix_key(self.ephemeral.exchange(X25519PublicKey.from_public_bytes(e_i)))
+        self.transcript.mix_key(_exchange(self.ephemeral, e_i))
         sealed = self.transcript.seal(self._identity_payload(admission=False))
         return Frame(FrameType.HELLO, fields={"e": e_r, "c": sealed})
 

@@ -14,6 +14,7 @@ from p2ptrain.errors import (
     AuthenticationError,
     ConfigError,
     HandshakeError,
+    RemoteProtocolError,
     TransportTimeoutError,
 )
 from p2ptrain.handshake import (
@@ -235,8 +236,6 @@ async def test_silent_peer_times_out() -> None:
 
 
 async def test_malformed_hello_is_a_protocol_error() -> None:
-    from p2ptrain.errors import RemoteProtocolError
-
     attacker, victim = memory_transport_pair()
     attacker.send_frame_nowait(Frame(FrameType.HELLO, fields={"v": 2, "sw": swarm_tag("s")}))
     with pytest.raises(RemoteProtocolError, match="'e' is malformed"):
@@ -311,3 +310,13 @@ async def test_insecure_plaintext_needs_both_sides() -> None:
     plain_responder = Responder(plain_params)
     with pytest.raises(AuthenticationError):
         initiator.auth(plain_responder.reply(forged))
+
+
+async def test_a_low_order_ephemeral_key_is_a_protocol_error() -> None:
+    """X25519 with an all-zero key gives an all-zero secret: refused, never used."""
+    attacker, victim = memory_transport_pair()
+    attacker.send_frame_nowait(
+        Frame(FrameType.HELLO, fields={"v": 2, "sw": swarm_tag("s"), "e": bytes(32)})
+    )
+    with pytest.raises(RemoteProtocolError, match="ephemeral key is invalid"):
+        await shake(victim, Identity.generate(), initiator=False)
