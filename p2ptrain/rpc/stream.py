@@ -28,6 +28,7 @@ from p2ptrain.errors import (
 )
 from p2ptrain.rpc.handlers import Message
 from p2ptrain.wire.frames import FLAG_END, Buffer, Frame, FrameType
+from p2ptrain.wire.records import RECORD_OVERHEAD
 
 if TYPE_CHECKING:
     from p2ptrain.rpc.connection import Connection
@@ -68,7 +69,8 @@ class RPCStream:
         self.deadline = deadline
         self._recv_window = recv_window
         self._credit_batch = max(1, recv_window // 4)
-        self._recv_limit = recv_window + max_frame_bytes
+        # One frame may overdraw the window: at most a whole frame, sealed (its tags).
+        self._recv_limit = recv_window + max_frame_bytes + RECORD_OVERHEAD
         self._queue: deque[tuple[Message, int]] = deque()
         self._recv_waiter: asyncio.Future[None] | None = None
         self._outstanding = 0  # bytes received and not yet credited back

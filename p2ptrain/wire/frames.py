@@ -49,7 +49,7 @@ from p2ptrain.errors import (
     RemoteProtocolError,
 )
 from p2ptrain.wire.buffers import default_pool
-from p2ptrain.wire.records import TAG_BYTES, RecordOpener
+from p2ptrain.wire.records import RECORD_OVERHEAD, TAG_BYTES, RecordOpener
 
 __all__ = [
     "FLAG_END",
@@ -253,7 +253,7 @@ class FrameDecoder:
         if self._pending or self._payload is not None or self._frames:
             raise RemoteProtocolError("unexpected bytes before the handshake finished")
         self._opener = opener
-        self._overhead = 2 * TAG_BYTES
+        self._overhead = RECORD_OVERHEAD
 
     @property
     def buffered_bytes(self) -> int:

@@ -59,6 +59,7 @@ from p2ptrain.wire.buffers import default_pool
 
 __all__ = [
     "KEY_BYTES",
+    "RECORD_OVERHEAD",
     "REKEY_BYTES",
     "REKEY_OPERATIONS",
     "TAG_BYTES",
@@ -71,6 +72,8 @@ __all__ = [
 
 KEY_BYTES = 32
 TAG_BYTES = 16
+RECORD_OVERHEAD = 2 * TAG_BYTES
+"""The most a record adds to a frame's size on the wire (a header tag and a payload tag)."""
 REKEY_OPERATIONS = 1 << 28
 """AEAD operations under one key before it is replaced."""
 REKEY_BYTES = 1 << 34
