@@ -1,6 +1,6 @@
 """Benchmark collaborative training: a 4-peer swarm on loopback against one process.
 
-Trains the character transformer of ``examples/charlm`` (432k parameters, a
+Trains the character transformer of ``p2ptrain.examples.charlm`` (432k parameters, a
 1.7 MB gradient) with AdamW in three ways and reports samples per second:
 
 * ``single``: one process, no networking, batches of ``--batch`` samples;
@@ -65,8 +65,8 @@ def _emit(obj: dict[str, Any]) -> None:
 def _corpus_and_model() -> tuple[Any, Any, Any, Any]:
     import torch
 
-    from examples.charlm.data import load_corpus
-    from examples.charlm.model import ModelConfig, loss, make_model, make_optimizer
+    from p2ptrain.examples.charlm.data import load_corpus
+    from p2ptrain.examples.charlm.model import ModelConfig, loss, make_model, make_optimizer
 
     torch.set_num_threads(1)
     config = ModelConfig()

@@ -89,10 +89,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "(one joins late, each announces a different bandwidth). Prints a summary "
             "and writes a PNG of the loss against time."
         ),
-        epilog=(
-            "example: p2ptrain demo --peers 4 --seconds 90 --png loss.png\n"
-            "(--megabytes N runs the older in-process tensor ring check instead)"
-        ),
+        epilog="example: p2ptrain demo --peers 4 --seconds 90 --png loss.png",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--peers", type=int, default=4, help="number of peers (default 4)")
@@ -103,11 +100,6 @@ def _build_parser() -> argparse.ArgumentParser:
         "--png", default="p2ptrain-demo-loss.png", help="where to write the loss plot"
     )
     demo.add_argument("--log-dir", help="keep every peer's JSON log lines in this directory")
-    demo.add_argument(
-        "--megabytes",
-        type=float,
-        help="run the tensor ring check with tensors of this size instead of training",
-    )
 
     bootstrap = commands.add_parser(
         "bootstrap",
@@ -163,7 +155,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="train a model with a swarm (one peer; the charlm example by default)",
         description=(
             "Join a swarm through --join and train with a collaborative optimizer "
-            "the character model of examples/charlm, or your own model with --task, "
+            "the character model of p2ptrain.examples.charlm, or your own model with --task, "
             "showing samples/s, the global step, the loss and the peers online on one line."
         ),
         epilog=(
@@ -348,8 +340,6 @@ def _identity(args: argparse.Namespace) -> Identity | None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    if args.megabytes is not None:
-        return _run_ring_demo(args)
     from p2ptrain.swarm_demo import SwarmDemoConfig, run_swarm_demo  # noqa: PLC0415
 
     config = SwarmDemoConfig(
@@ -360,16 +350,6 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
     result = run_swarm_demo(config, out=sys.stdout)
     return 0 if result.ok else 1
-
-
-def _run_ring_demo(args: argparse.Namespace) -> int:
-    from p2ptrain.demo import DemoConfig, format_report, run_demo  # noqa: PLC0415 - torch is slow
-
-    config = DemoConfig(peers=args.peers, tensor_elements=max(1, int(args.megabytes * 1e6 / 4)))
-    print(f"starting {config.peers} peers on 127.0.0.1 ...")
-    reports = run(run_demo(config))
-    print(format_report(reports))
-    return 0 if all(r.verified for r in reports) else 1
 
 
 def _run_train(args: argparse.Namespace) -> int:

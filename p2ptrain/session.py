@@ -3,7 +3,7 @@
 :func:`run_training_peer` is what ``p2ptrain train`` runs: a
 :class:`~p2ptrain.peer.Peer` joins the swarm, a
 :class:`~p2ptrain.train.CollaborativeOptimizer` trains the character model of
-``examples/charlm`` for a bounded time, and a one-line display shows the
+``p2ptrain.examples.charlm`` for a bounded time, and a one-line display shows the
 peer's samples/s, the swarm's global step, the loss and the peers online.
 Events also go out as JSON lines (``{"event": "start" | "progress" | "end", ...}``)
 for programs such as the swarm demo.
@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from p2ptrain.errors import ConfigError, DHTError
@@ -46,7 +45,6 @@ __all__ = [
     "status_table",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 _NUM_SHARDS = 1024
 _MBIT = 1e6 / 8
 
@@ -235,7 +233,7 @@ def run_training_peer(
         What the session did.
 
     Raises:
-        ConfigError: The charlm example is missing.
+        ConfigError: The task cannot be loaded.
         LookupFailedError: None of the initial peers answered.
         ConnectError: The port cannot be bound.
     """
