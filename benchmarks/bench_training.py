@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the example model lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import emit_json, format_table
+from benchmarks._common import DefaultsHelpFormatter, emit_json, format_table
 
 START_TIMEOUT = 120.0
 
@@ -274,15 +274,21 @@ def summarize(name: str, results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--peers", type=int, default=4, help="peers of the swarm")
+    parser.add_argument("--batch", type=int, default=16, help="local batch of every peer")
     parser.add_argument("--steps", type=int, default=8, help="swarm steps of the plain run")
-    parser.add_argument("--batches-per-step", type=int, default=4)
+    parser.add_argument(
+        "--batches-per-step", type=int, default=4, help="local batches per peer per swarm step"
+    )
     parser.add_argument("--inner-steps", type=int, default=20, help="H of the DiLoCo run")
     parser.add_argument("--rounds", type=int, default=3, help="outer steps of the DiLoCo run")
-    parser.add_argument("--single-batches", type=int, default=60)
+    parser.add_argument(
+        "--single-batches", type=int, default=60, help="batches of the one-process baseline"
+    )
     args = parser.parse_args()
     if args.worker is not None:
         worker_main(json.loads(args.worker))

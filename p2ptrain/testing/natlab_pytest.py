@@ -34,7 +34,7 @@ from typing import Any, Literal
 import pytest
 
 from p2ptrain.testing.natlab import LabConfig, NatLab
-from p2ptrain.testing.natlab_netns import cleanup_stale_labs, missing_tools, unavailable_reason
+from p2ptrain.testing.natlab_netns import cleanup_stale_labs, lab_unavailable
 
 __all__ = [
     "SKIP_PREFIX",
@@ -56,17 +56,6 @@ SKIP_PREFIX = "NAT lab unavailable: "
 def strict() -> bool:
     """Whether :data:`STRICT_ENV` asks for failures instead of skips."""
     return os.environ.get(STRICT_ENV, "").strip() not in ("", "0")
-
-
-def lab_unavailable(*, turn: bool = True) -> str | None:
-    """Why the NAT lab (with coturn when ``turn``) cannot be built here, or None."""
-    reason = unavailable_reason()
-    if reason is not None:
-        return reason
-    missing = missing_tools(turn=turn)
-    if missing:
-        return "missing " + ", ".join(missing)
-    return None
 
 
 def require_netns(*, turn: bool = False) -> None:
