@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-BENCHMARKS = ("transport", "dht", "allreduce", "lp", "training", "webrtc")
+BENCHMARKS = ("all", "transport", "dht", "allreduce", "lp", "training", "webrtc")
 _EXAMPLES = """examples:
   p2ptrain demo                                   # a local swarm on this machine
   p2ptrain train --join PEERID@203.0.113.7:4001 --seconds 600
@@ -233,10 +233,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run a benchmark and print its table",
         description=(
-            "Run one of the benchmarks in benchmarks/ (needs a source checkout). "
+            "Run one of the benchmarks in benchmarks/ (needs a source checkout), or `all`: "
+            "every one this machine can run, into one report (DIR/report.md). "
             "Arguments after the name go to the benchmark; try `--help` there."
         ),
-        epilog="example: p2ptrain bench transport --megabytes 64 --png transport.png",
+        epilog=(
+            "example: p2ptrain bench transport --megabytes 64 --png transport.png\n"
+            "         p2ptrain bench all --out bench-report"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
