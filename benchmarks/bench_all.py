@@ -52,14 +52,14 @@ BENCHMARKS = ("transport", "dht", "allreduce", "lp", "training", "webrtc")
 TIMEOUT_S = 3600.0
 """Seconds one benchmark may take before it is stopped."""
 
-QUICK_ARGS: dict[str, list[str]] = {
+QUICK_ARGS: dict[str, str] = {
     "transport": "--megabytes 8 --repeats 1 --rtt-calls 200 --webrtc-seconds 1 "
-    "--webrtc-loss-seconds 2 --webrtc-repeats 1 --webrtc-loss-repeats 1".split(),
-    "dht": "--nodes 12 --keys 10 --throughput-nodes 4 --throughput-gets 20".split(),
-    "allreduce": "--sizes 1 --repeats 1 --peers 2 --hetero-mb 1".split(),
-    "lp": "--sizes 8 --resolves 2".split(),
-    "training": "--peers 2 --steps 2 --rounds 1 --inner-steps 2 --single-batches 4".split(),
-    "webrtc": "--seconds 1 --loss-seconds 2 --repeats 1".split(),
+    "--webrtc-loss-seconds 2 --webrtc-repeats 1 --webrtc-loss-repeats 1",
+    "dht": "--nodes 12 --keys 10 --throughput-nodes 4 --throughput-gets 20",
+    "allreduce": "--sizes 1 --repeats 1 --peers 2 --hetero-mb 1",
+    "lp": "--sizes 8 --resolves 2",
+    "training": "--peers 2 --steps 2 --rounds 1 --inner-steps 2 --single-batches 4",
+    "webrtc": "--seconds 1 --loss-seconds 2 --repeats 1",
 }
 """Workloads of ``--quick``: a smoke test of the report, not a measurement."""
 
@@ -137,7 +137,7 @@ def plan(
         argv = [
             sys.executable,
             str(HERE / f"bench_{name}.py"),
-            *(QUICK_ARGS[name] if quick else []),
+            *(QUICK_ARGS[name].split() if quick else []),
         ]
         run = Outcome(name, argv)
         if name == "webrtc" and lab_reason is not None:
