@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -55,6 +56,18 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, default_port: int) -> No
     group.add_argument("--swarm", default="p2ptrain", help="swarm name (peers must agree)")
     group.add_argument(
         "--secret-file", help="file holding the swarm's admission secret (>= 16 bytes)"
+    )
+
+
+def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("metrics")
+    group.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics (GET /metrics) on this port"
+    )
+    group.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="interface of the metrics server (default 127.0.0.1; 0.0.0.0 for a remote scraper)",
     )
 
 
@@ -126,6 +139,7 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="another bootstrap peer to connect to (repeatable)",
     )
+    _add_metrics_flags(bootstrap)
     nat = bootstrap.add_argument_group("NAT traversal")
     nat.add_argument(
         "--stun-port", type=int, help="UDP port of the STUN responder (default: same as --port)"
@@ -177,9 +191,7 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
     train.add_argument("--upload-mbit", type=float, help="announce this upload rate (Mbit/s)")
     train.add_argument("--download-mbit", type=float, help="announce this download rate (Mbit/s)")
-    train.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on this local port"
-    )
+    _add_metrics_flags(train)
     train.add_argument(
         "--log-json", metavar="PATH", help="append JSON event lines to PATH ('-': stdout)"
     )
@@ -227,6 +239,20 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--timeout", type=float, default=20.0, help="seconds to wait for the swarm (default 20)"
+    )
+    status.add_argument(
+        "--json", action="store_true", help="print one JSON object per reading instead of a table"
+    )
+    status.add_argument(
+        "--watch",
+        action="store_true",
+        help="keep reading and redraw the table in place until Ctrl-C (default: read once)",
+    )
+    status.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between readings (default 2)"
+    )
+    status.add_argument(
+        "--count", type=int, help="with --watch: stop after this many readings (default: never)"
     )
 
     bench = commands.add_parser(
@@ -379,6 +405,7 @@ def _run_train(args: argparse.Namespace) -> int:
         upload_mbit=args.upload_mbit,
         download_mbit=args.download_mbit,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         node=_node_config(args),
         identity_path=args.identity,
         nat=_train_nat_config(args),
@@ -411,7 +438,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from p2ptrain.session import StatusConfig, status_table  # noqa: PLC0415
+    from p2ptrain.session import StatusConfig, watch_status  # noqa: PLC0415
 
     node = NodeConfig(
         port=0, swarm=args.swarm, admission=AdmissionPolicy(secret=_read_secret(args.secret_file))
@@ -419,7 +446,21 @@ def _run_status(args: argparse.Namespace) -> int:
     config = StatusConfig(
         initial_peers=tuple(args.join), run_id=args.run_id, timeout=args.timeout, node=node
     )
-    print(status_table(config))
+    if not args.watch:
+        if args.count is not None:
+            raise ConfigError("--count needs --watch")
+        (text,) = watch_status(config, as_json=args.json, count=1)
+        print(text)
+        return 0
+    redraw = sys.stdout.isatty() and not args.json
+
+    def show(text: str) -> None:
+        # On a terminal the table is redrawn in place (cursor home, clear below).
+        print(("\x1b[H\x1b[J" if redraw else "") + text + ("" if redraw or args.json else "\n"))
+        sys.stdout.flush()
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a watch ends
+        watch_status(config, as_json=args.json, interval=args.interval, count=args.count, show=show)
     return 0
 
 
@@ -448,16 +489,30 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    try:
-        run(
-            run_bootstrap_peer(
+    async def serve() -> None:
+        from p2ptrain.metrics import Metrics, MetricsServer  # noqa: PLC0415
+
+        metrics = Metrics()
+        server = None
+        if args.metrics_port is not None:
+            server = MetricsServer(metrics, host=args.metrics_host, port=args.metrics_port)
+            await server.start()
+            print(f"  metrics on http://{args.metrics_host}:{server.port}/metrics", flush=True)
+        try:
+            await run_bootstrap_peer(
                 _node_config(args),
                 dht_config,
                 nat_config,
                 identity=_identity(args),
                 announce=announce,
+                metrics=metrics,
             )
-        )
+        finally:
+            if server is not None:
+                await server.aclose()
+
+    try:
+        run(serve())
     except KeyboardInterrupt:
         print("stopped")
     return 0
