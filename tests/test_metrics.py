@@ -385,7 +385,7 @@ class RealRun:
 
 class _Records(logging.Handler):
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -401,7 +401,7 @@ def real_run() -> Iterator[RealRun]:
     package = logging.getLogger("p2ptrain")
     handler, level = _Records(), package.level
     package.addHandler(handler)
-    package.setLevel(logging.INFO)
+    package.setLevel(logging.DEBUG)
     peers = start_peers(3)
     try:
         registries = [Metrics() for _ in peers]
@@ -472,9 +472,13 @@ def test_a_real_run_logs_its_notable_events(real_run: RealRun) -> None:
     groups = [m for m in infos if m.startswith("found a group of 3 for observed/step-0: ")]
     assert len(groups) == 3 and all(pid in groups[0] for pid in real_run.peer_ids), groups
     assert not any(m.startswith("found a group of 3 for observed/step-1") for m in infos)
-    averaged = [m for m in infos if re.match(r"step \d: averaged in a group of 3 in ", m)]
+    assert sum(m.startswith("training run 'observed' at global step 0: ") for m in infos) == 3
+    # A complete round is routine: DEBUG, not one INFO line per step.
+    debugs = [r.getMessage() for r in real_run.records if r.levelno == logging.DEBUG]
+    averaged = [m for m in debugs if re.match(r"step \d: averaged in a group of 3 in ", m)]
     assert len(averaged) == 3 * 2, averaged
     assert all(re.search(r"\(predicted \d[\d.e-]* s\); sent \d", m) for m in averaged)
+    assert not any("averaged in a group" in m for m in infos)
     assert not any(m.startswith("global step advanced") for m in infos)  # one line per step
     assert not any("dht.find" in m or "dht.ping" in m for m in infos)  # per-RPC stays DEBUG
 
@@ -490,7 +494,7 @@ def test_an_averaged_round_names_its_dropped_peers(caplog: pytest.LogCaptureFixt
         members=tuple(GroupMember(m, LOOPBACK) for m in outcome.report.members),
         boundaries=(0, 4, 4, 4),
     )
-    with caplog.at_level(logging.INFO, logger="p2ptrain"):
+    with caplog.at_level(logging.DEBUG, logger="p2ptrain"):
         _log_round(outcome, plan)
     messages = [r.getMessage() for r in caplog.records]
     assert messages[0].startswith("step 7: averaged in a group of 3 in 0.5 s (predicted 0.25 s)")

@@ -194,13 +194,20 @@ class Collaboration:
         self._fresh = view.global_step > step
         self._stats = dataclasses.replace(self._stats, global_step=step)
         self._computing_since = time.perf_counter()
-        logger.info(
-            "training run %r from step %d: %d peers online, swarm at global step %d",
-            self.settings.run_id,
-            step,
-            view.peers_online,
-            view.global_step,
-        )
+        if self._fresh:
+            logger.info(
+                "joined run %r at global step %d (%d peers online); downloading the swarm's state",
+                self.settings.run_id,
+                view.global_step,
+                view.peers_online,
+            )
+        else:
+            logger.info(
+                "training run %r at global step %d: %d peers online",
+                self.settings.run_id,
+                step,
+                view.peers_online,
+            )
         return view
 
     def close(self) -> None:
