@@ -388,8 +388,23 @@ def _run_train(args: argparse.Namespace) -> int:
     import signal  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
-    stop = threading.Event()
+    stop, began = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())  # a clean end, with a summary
+
+    def interrupted(signum: int, frame: object) -> None:
+        # Ctrl-C once training began ends it like SIGTERM (summary, exit 0);
+        # before that, or a second time, it interrupts (exit 130).
+        if not began.is_set() or stop.is_set():
+            raise KeyboardInterrupt
+        print("stopping (Ctrl-C again to interrupt) ...", file=sys.stderr, flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGINT, interrupted)
+
+    def joined(address: str) -> None:
+        print(f"joined as {address}", file=sys.stderr, flush=True)
+        began.set()
+
     from p2ptrain.session import (  # noqa: PLC0415 - torch is slow
         TrainingSessionConfig,
         json_lines_logger,
@@ -425,7 +440,7 @@ def _run_train(args: argparse.Namespace) -> int:
             config,
             display=sys.stderr,
             log=log,
-            announce=lambda address: print(f"joined as {address}", file=sys.stderr, flush=True),
+            announce=joined,
             stop=stop,
         )
     print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -118,3 +119,26 @@ def test_metrics_ports_of_a_trainer_and_a_bootstrap_and_status_json(
     )
     assert watch.returncode == 0, watch.stderr
     assert watch.stdout.count("peers online") == 2, watch.stdout  # two readings, not a tty
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_training_with_the_summary_and_exit_0(procs: list[ChildLines]) -> None:
+    deadline = time.monotonic() + 90
+    boot = cli_process("bootstrap", "--port", "0")
+    procs.append(boot)
+    assert "ready" in boot.next_line(deadline)
+    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+    peer = cli_process(
+        "train", "--join", address, "--run-id", "int", "--seconds", "120", "--log-json", "-"
+    )
+    procs.append(peer)
+    _first(peer, deadline, "progress", local_steps=1)
+    peer.process.send_signal(signal.SIGINT)
+    end = _first(peer, deadline, "end")
+    assert end["seconds"] < 120 and end["local_steps"] >= 1
+    assert peer.process.wait(30) == 0
+    # the summary line, read from the exited child's stderr by ChildLines' thread
+    until = time.monotonic() + 10
+    while not any("trained" in line for line in peer.stderr) and time.monotonic() < until:
+        time.sleep(0.05)  # the reader thread drains what the pipe still holds
+    assert any("trained" in line for line in peer.stderr), list(peer.stderr)[-5:]
