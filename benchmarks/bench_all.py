@@ -211,6 +211,7 @@ def report(
     *,
     wall_s: float,
     argv: list[str],
+    out: Path,
 ) -> str:
     """``report.md``: the machine, what was skipped, then each benchmark's table, plot, JSON."""
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -233,7 +234,12 @@ def report(
     ]
     for run in runs:
         status = "ok" if run.returncode == 0 else "FAILED"
-        lines += [f"## {run.name}", "", f"{status}, {run.seconds:.0f} s: `{_short(run.argv)}`", ""]
+        lines += [
+            f"## {run.name}",
+            "",
+            f"{status}, {run.seconds:.0f} s: `{_short(run.argv, out)}`",
+            "",
+        ]
         lines += [f"- {note}" for note in run.notes]
         if run.notes:
             lines.append("")
@@ -254,15 +260,14 @@ def report(
     return "\n".join(lines)
 
 
-def _short(argv: list[str]) -> str:
-    """A benchmark's command line as the reader would type it (no absolute paths)."""
-    return " ".join(
-        [
-            "python",
-            f"benchmarks/{Path(argv[1]).name}",
-            *(Path(a).name if "/" in a else a for a in argv[2:]),
-        ]
-    )
+def _short(argv: list[str], out: Path) -> str:
+    """A benchmark's command line as the reader would type it (files in ``out`` by name)."""
+    inside = str(out.resolve()) + os.sep
+    shown = ["python", f"benchmarks/{Path(argv[1]).name}"]
+    for arg in argv[2:]:
+        resolved = str(Path(arg).resolve()) if "/" in arg else ""
+        shown.append(Path(arg).name if resolved.startswith(inside) else arg)
+    return " ".join(shown)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {run.name}: {status} in {run.seconds:.0f} s", file=sys.stderr, flush=True)
     wall = time.monotonic() - started
     shown = ["p2ptrain bench all", *(argv if argv is not None else sys.argv[1:])]
-    text = report(runs, skipped, facts, wall_s=wall, argv=shown)
+    text = report(runs, skipped, facts, wall_s=wall, argv=shown, out=out)
     (out / "report.md").write_text(text + "\n", encoding="utf-8")
     print(f"report: {out / 'report.md'} ({wall:.0f} s)")
     emit_json(
