@@ -1,7 +1,7 @@
 """The King James Bible as characters: vocabulary, train/validation split, batch sampler.
 
-The text ships with the repository as ``p2ptrain/examples/charlm/corpus/kjv.txt.xz`` (see
-``p2ptrain/examples/charlm/corpus/PROVENANCE.md``); nothing is downloaded. It is 4.3 million ASCII
+The text ships inside the package as ``corpus/kjv.txt.xz`` beside this module
+(see ``corpus/PROVENANCE.md``); nothing is downloaded. It is 4.3 million ASCII
 characters drawn from a vocabulary of 73.
 
 Theory of operation

@@ -1,6 +1,6 @@
 """Train the character model in one process: the baseline the collaborative demo is held to.
 
-Run from the repository root::
+Run from any directory (the example ships in the package)::
 
     python -m p2ptrain.examples.charlm.train_single                 # 600 steps, 1 thread
     python -m p2ptrain.examples.charlm.train_single --time-budget 120 --threads 2
