@@ -20,6 +20,7 @@ import ast
 import builtins
 import contextlib
 import importlib
+import importlib.util
 import io
 import re
 import runpy
