@@ -49,11 +49,13 @@ from prometheus_client import (
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
 
+from p2ptrain.dht.stats import LATENCY_BUCKETS
 from p2ptrain.errors import ConfigError, ConnectError
 
 if TYPE_CHECKING:
@@ -75,6 +77,7 @@ __all__ = [
     "allreduce_collector",
     "bootstrap_collector",
     "dht_collector",
+    "histogram_samples",
     "nat_collector",
     "node_collector",
 ]
@@ -173,7 +176,9 @@ class Sample:
     """One value of one metric, as collectors report it.
 
     ``kind`` is "counter" or "gauge"; a counter pair named ``X_count`` and
-    ``X_sum`` is exposed as the summary ``X`` (count and sum, no quantiles).
+    ``X_sum`` is exposed as the summary ``X`` (count and sum, no quantiles),
+    or, with cumulative ``X_bucket`` counters labelled ``le`` beside them (see
+    :func:`histogram_samples`), as the histogram ``X``.
     """
 
     name: str
@@ -316,6 +321,27 @@ class Metrics:
         families: dict[str, list[Sample]] = {}
         for sample in merged.values():
             families.setdefault(sample.name, []).append(sample)
+        histograms = {
+            name[: -len("_bucket")]
+            for name in families
+            if name.endswith("_bucket")
+            and {name[: -len("_bucket")] + "_count", name[: -len("_bucket")] + "_sum"}
+            <= set(families)
+        }
+        for base in sorted(histograms):
+            buckets, sums = families.pop(base + "_bucket"), families.pop(base + "_sum")
+            families.pop(base + "_count")
+            names = sorted(n for n in buckets[0].labels if n != "le")
+            histogram = HistogramMetricFamily(base, self._help.get(base, base), labels=names)
+            totals = {tuple(s.labels[n] for n in names): s.value for s in sums}
+            by_labels: dict[tuple[str, ...], list[tuple[str, float]]] = {}
+            for sample in buckets:
+                key = tuple(sample.labels[n] for n in names)
+                by_labels.setdefault(key, []).append((sample.labels["le"], sample.value))
+            for key, points in sorted(by_labels.items()):
+                points.sort(key=lambda point: float(point[0]))
+                histogram.add_metric(list(key), points, sum_value=totals.get(key, 0.0))
+            yield histogram
         summaries = {
             name[: -len("_count")]
             for name in families
@@ -395,6 +421,35 @@ def node_collector(node: _TrafficSource) -> Callable[[], list[Sample]]:
     return collect
 
 
+def histogram_samples(
+    name: str,
+    bounds: Iterable[float],
+    counts: Iterable[int],
+    total: float,
+    labels: Mapping[str, str] | None = None,
+) -> list[Sample]:
+    """A histogram as collector samples: cumulative ``name_bucket{le}``, ``_count``, ``_sum``.
+
+    Args:
+        name: The family.
+        bounds: The buckets' upper bounds, ascending (``+Inf`` is added).
+        counts: Observations per bucket, not cumulative: one per bound, then
+            one for those above the largest.
+        total: The sum of the observations.
+        labels: The series' other labels.
+    """
+    base = dict(labels or {})
+    out: list[Sample] = []
+    running = 0
+    for bound, count in zip([*bounds, math.inf], counts, strict=True):
+        running += count
+        le = "+Inf" if math.isinf(bound) else repr(float(bound))  # as prometheus_client writes it
+        out.append(_counter(f"{name}_bucket", running, {**base, "le": le}))
+    out.append(_counter(f"{name}_count", running, base))
+    out.append(_counter(f"{name}_sum", total, base))
+    return out
+
+
 def dht_collector(node: DHTNode) -> Callable[[], list[Sample]]:
     """A collector of a DHT node's requests by method, failures, latency and table size.
 
@@ -410,10 +465,11 @@ def dht_collector(node: DHTNode) -> Callable[[], list[Sample]]:
         for method, count in sorted(dict(stats.sent).items()):
             labels = {"method": method}
             samples.append(_counter("p2ptrain_dht_requests_total", count, labels))
-            answered = stats.answered.get(method, 0)
             seconds = stats.answer_seconds.get(method, 0.0)
-            samples.append(_counter("p2ptrain_dht_response_seconds_count", answered, labels))
-            samples.append(_counter("p2ptrain_dht_response_seconds_sum", seconds, labels))
+            counts = stats.answer_buckets.get(method, [0] * (len(LATENCY_BUCKETS) + 1))
+            samples += histogram_samples(
+                "p2ptrain_dht_response_seconds", LATENCY_BUCKETS, counts, seconds, labels
+            )
         for (method, reason), count in sorted(dict(stats.failed).items()):
             labels = {"method": method, "reason": reason}
             samples.append(_counter("p2ptrain_dht_request_failures_total", count, labels))

@@ -257,6 +257,24 @@ def test_prometheus_text_parses_with_help_and_escaped_labels() -> None:
         metrics.inc("p2ptrain_x_total", labels={"bad-label": "v"})
 
 
+def test_collected_histograms_are_cumulative_and_shared_ones_add_up() -> None:
+    from p2ptrain.metrics import histogram_samples
+
+    metrics = Metrics(process=False)
+    for _ in range(2):  # two peers sharing one registry
+        metrics.add_collector(
+            lambda: histogram_samples("p2ptrain_h_seconds", (0.1, 1.0), [2, 0, 1], 5.3, {"m": "x"})
+        )
+    text = metrics.prometheus_text()
+    assert "# TYPE p2ptrain_h_seconds histogram" in text
+    series = parse_prometheus(text)
+    assert series[("p2ptrain_h_seconds_bucket", (("le", "0.1"), ("m", "x")))] == 4
+    assert series[("p2ptrain_h_seconds_bucket", (("le", "1.0"), ("m", "x")))] == 4
+    assert series[("p2ptrain_h_seconds_bucket", (("le", "+Inf"), ("m", "x")))] == 6
+    assert series[("p2ptrain_h_seconds_count", (("m", "x"),))] == 6
+    assert series[("p2ptrain_h_seconds_sum", (("m", "x"),))] == pytest.approx(10.6)
+
+
 def test_shared_collectors_add_up_and_count_sum_pairs_are_summaries() -> None:
     metrics = Metrics(process=False)
     for _ in range(2):  # two peers sharing one registry
@@ -358,7 +376,12 @@ async def test_dht_requests_to_a_dead_peer_count_as_failures() -> None:
         metrics.add_collector(dht_collector(second.dht_node))
         answered = metrics.snapshot()["metrics"]
         assert answered['p2ptrain_dht_requests_total{method="dht.ping"}'] >= 1
-        assert answered['p2ptrain_dht_response_seconds_count{method="dht.ping"}'] >= 1
+        pings = answered['p2ptrain_dht_response_seconds_count{method="dht.ping"}']
+        assert pings >= 1
+        assert (
+            answered['p2ptrain_dht_response_seconds_bucket{le="+Inf",method="dht.ping"}'] == pings
+        )
+        assert "# TYPE p2ptrain_dht_response_seconds histogram" in metrics.prometheus_text()
         assert answered["p2ptrain_dht_peers_known"] == 1
         assert first.dht_node.stats.served.get("dht.ping", 0) >= 1
         await first.aclose()
