@@ -27,6 +27,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +131,13 @@ def program_parser(program: str) -> argparse.ArgumentParser | None:
     parser = None
     try:
         sys.argv = [program]
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
+            # runpy warns that the module is already imported (the tests imported it)
+            warnings.simplefilter("ignore", RuntimeWarning)
             if program.endswith(".py"):
                 path = ROOT / program
                 if path.is_file():
