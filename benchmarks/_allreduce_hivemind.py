@@ -2,7 +2,7 @@
 
 Usage (by ``bench_allreduce.py``)::
 
-    /opt/hivemind-venv/bin/python benchmarks/_allreduce_hivemind.py --host 127.0.0.1 \
+    python benchmarks/_allreduce_hivemind.py --host 127.0.0.1 \
         [--initial-peer MULTIADDR ...]
 
 One ``hivemind.DHT`` (with its p2p daemon) per peer, and one

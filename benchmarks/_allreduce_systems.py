@@ -23,9 +23,9 @@ from p2ptrain.node.address import PeerAddress
 if not __package__:  # run as a script: make the benchmarks package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._allreduce_runner import PeerGroup
+from benchmarks._common import find_hivemind
 
 __all__ = [
-    "HIVEMIND_DEFAULT_PYTHON",
     "Wrap",
     "find_hivemind_python",
     "free_port",
@@ -40,7 +40,6 @@ __all__ = [
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_allreduce_workers.py")
 HIVEMIND_WORKER = str(HERE / "_allreduce_hivemind.py")
-HIVEMIND_DEFAULT_PYTHON = "/opt/hivemind-venv/bin/python"
 START_TIMEOUT = 120.0
 """Seconds a group of peers has to start (imports, DHT bootstrap, gloo rendezvous)."""
 
@@ -178,29 +177,7 @@ def vector_prepares(world: int, numel: int) -> list[dict[str, Any]]:
 
 def find_hivemind_python(requested: str | None) -> tuple[str | None, str]:
     """The interpreter to run hivemind with (or None), and a line saying what was found."""
-    import subprocess
-
-    python = requested
-    if python is None:
-        if not os.path.exists(HIVEMIND_DEFAULT_PYTHON):
-            return None, (
-                f"hivemind skipped: {HIVEMIND_DEFAULT_PYTHON} does not exist "
-                "(install hivemind in a separate venv and pass --hivemind-python PATH)"
-            )
-        python = HIVEMIND_DEFAULT_PYTHON
-    try:
-        probe = subprocess.run(
-            [python, "-c", "import hivemind; print(hivemind.__version__)"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"hivemind skipped: cannot run {python}: {exc}"
-    if probe.returncode != 0:
-        return None, f"hivemind skipped: {python} cannot import hivemind"
-    return python, f"hivemind {probe.stdout.strip()} ({python})"
+    return find_hivemind(requested)
 
 
 def start_hivemind(

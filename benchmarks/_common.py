@@ -13,6 +13,7 @@ behind.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -28,10 +29,12 @@ from typing import Any, TypeVar
 
 __all__ = [
     "READY_PREFIX",
+    "DefaultsHelpFormatter",
     "ServerProcess",
     "announce_ready",
     "cpu_seconds",
     "emit_json",
+    "find_hivemind",
     "format_table",
     "median",
     "percentile",
@@ -44,6 +47,48 @@ __all__ = [
 T = TypeVar("T")
 
 READY_PREFIX = "READY "
+
+
+# -- command lines ---------------------------------------------------------------------------
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` shows every flag's default (unless its text already names one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.nargs == 0 and action.default is False:  # an on/off switch
+            return text + " (default: off)"
+        return text + " (default: %(default)s)"
+
+
+def find_hivemind(requested: str | None) -> tuple[str | None, str]:
+    """The interpreter to run hivemind with (or None), and a line saying what was found.
+
+    By default this interpreter (where ``pip install 'p2ptrain[bench]'`` puts
+    hivemind); ``requested`` (``--hivemind-python``) overrides it, e.g. a
+    separate virtual environment that keeps hivemind's pins away from this one.
+    """
+    python = requested or sys.executable
+    where = python if requested else "this interpreter"
+    try:
+        probe = subprocess.run(
+            [python, "-c", "import hivemind; print(hivemind.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"hivemind skipped: cannot run {python}: {exc}"
+    if probe.returncode != 0:
+        return None, (
+            f"hivemind skipped: not installed in {where} "
+            "(pip install 'p2ptrain[bench]', or pass --hivemind-python PATH)"
+        )
+    return python, f"hivemind {probe.stdout.strip()} ({python})"
 
 
 # -- event loops ---------------------------------------------------------------------------

@@ -21,9 +21,9 @@ each ``--sizes`` MiB:
   encryption costs in the same run (``--no-plaintext`` leaves them out);
 * ``gloo``: ``torch.distributed.all_reduce(SUM)`` over gloo (TCP store on
   loopback), then a division by the world size;
-* ``hivemind``: hivemind's ``DecentralizedAverager`` in its own virtual
-  environment (``--hivemind-python``, by default /opt/hivemind-venv/bin/python
-  when it exists), its own DHT on loopback; matchmaking happens before the
+* ``hivemind``: hivemind's ``DecentralizedAverager`` run by this interpreter
+  when it can import hivemind (the ``bench`` extra), or by
+  ``--hivemind-python PATH``, its own DHT on loopback; matchmaking happens before the
   timed region (``step(require_trigger=True)``), the trigger starts it.
 
 For each size a warm-up round, then ``--repeats`` timed rounds (p2ptrain and
@@ -67,7 +67,6 @@ from p2ptrain.testing.natlab_netns import python_env
 if not __package__:  # run as a script: make the benchmarks package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._allreduce_hetero import HeteroResult, run_hetero
-from benchmarks._allreduce_netlab import unavailable_reason
 from benchmarks._allreduce_report import (
     Series,
     hetero_report,
@@ -92,7 +91,8 @@ from benchmarks._allreduce_systems import (
     start_p2ptrain,
     vector_prepares,
 )
-from benchmarks._common import emit_json, uvloop_available
+from benchmarks._common import DefaultsHelpFormatter, emit_json, uvloop_available
+from p2ptrain.testing.natlab_netns import lab_unavailable
 
 MiB = 1 << 20
 HIVEMIND_RETRIES = 3
@@ -241,7 +241,8 @@ def measure_hivemind(args: argparse.Namespace, python: str) -> list[Series]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse and check the command line."""
     parser = argparse.ArgumentParser(
-        description="p2ptrain's butterfly all-reduce vs gloo and hivemind; the LP on shaped links."
+        description="p2ptrain's butterfly all-reduce vs gloo and hivemind; the LP on shaped links.",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--sizes", default="4,64,256", help="vector sizes in MiB, comma-separated")
     parser.add_argument(
@@ -339,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hetero_note = None
     if args.skip_hetero:
         hetero_note = "skipped (--skip-hetero)"
-    elif (reason := unavailable_reason()) is not None:
+    elif (reason := lab_unavailable(turn=False)) is not None:
         hetero_note = f"skipped: {reason}"
     else:
         hetero_result = run_hetero(

@@ -28,10 +28,11 @@ in one OS process on one event loop, over loopback:
 Both systems store each value on ``--replicas`` nodes (hivemind's default is
 5) and give up on a silent peer after ``--timeout`` seconds (hivemind's default
 ``wait_timeout`` is 3). Hivemind runs in a subprocess with the interpreter of
-``--hivemind-python`` (by default this interpreter, if it can import
-hivemind): install it in a separate virtual environment so that its pins never
-touch this one, e.g. ``python -m venv --system-site-packages /opt/hivemind-venv
-&& /opt/hivemind-venv/bin/pip install hivemind==1.1.12``.
+``--hivemind-python`` (by default this interpreter, where
+``pip install 'p2ptrain[bench]'`` puts it). To keep hivemind's pins away from
+this environment, install it in a separate one and pass its interpreter, e.g.
+``python -m venv --system-site-packages ~/hivemind-venv &&
+~/hivemind-venv/bin/pip install hivemind==1.1.12``.
 
 A readable table goes to stdout, then, as the very last line, one JSON object.
 """
@@ -54,7 +55,15 @@ from typing import Any
 
 if not __package__:  # run as a script: make the benchmarks package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import emit_json, format_table, percentile, run, uvloop_available
+from benchmarks._common import (
+    DefaultsHelpFormatter,
+    emit_json,
+    find_hivemind,
+    format_table,
+    percentile,
+    run,
+    uvloop_available,
+)
 
 OP_TIMEOUT = 30.0
 """Seconds one store or get may take before it counts as failed."""
@@ -330,21 +339,7 @@ def find_hivemind_python(args: argparse.Namespace) -> tuple[str | None, str]:
     """The interpreter to run hivemind with, and a line saying what was found."""
     if args.no_hivemind:
         return None, "hivemind skipped (--no-hivemind)"
-    python = args.hivemind_python or sys.executable
-    probe = subprocess.run(
-        [python, "-c", "import hivemind; print(hivemind.__version__)"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    if probe.returncode != 0:
-        where = f"in {python}" if args.hivemind_python else "in this interpreter"
-        return None, (
-            f"hivemind not installed {where}: its columns are empty"
-            " (install it in a separate venv and pass --hivemind-python PATH)"
-        )
-    return python, f"hivemind {probe.stdout.strip()} ({python})"
+    return find_hivemind(args.hivemind_python)
 
 
 def run_hivemind(python: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -479,7 +474,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line (the hidden ``--role`` is how the hivemind subprocess is run)."""
     parser = argparse.ArgumentParser(
-        description="DHT store/get latency, churn and throughput, against hivemind if present."
+        description="DHT store/get latency, churn and throughput, against hivemind if present.",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--nodes", type=int, default=64, help="nodes of the latency swarm")
     parser.add_argument("--keys", type=int, default=200, help="keys stored and read")

@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 
 from p2ptrain.allreduce.lp import LoadBalancer, LoadBalancerConfig, PeerCapacity
+
+if not __package__:  # run as a script: make the benchmarks package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import DefaultsHelpFormatter
 
 MB = 1e6
 VECTOR_BYTES = 4 * 110_000_000  # an ALBERT-large-sized fp32 gradient, roughly
@@ -99,11 +105,17 @@ def bench_size(size: int, resolves: int, solver: str, seed: int) -> dict[str, fl
 
 def main() -> None:
     """Run the benchmark and print the table and the JSON line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256])
-    parser.add_argument("--resolves", type=int, default=50)
-    parser.add_argument("--solver", default="CLARABEL")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=[8, 64, 256], help="swarm sizes (peers) to plan"
+    )
+    parser.add_argument(
+        "--resolves", type=int, default=50, help="re-solves per size after the first build"
+    )
+    parser.add_argument("--solver", default="CLARABEL", help="the cvxpy solver")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the swarms")
     args = parser.parse_args()
 
     results = {n: bench_size(n, args.resolves, args.solver, args.seed) for n in args.sizes}

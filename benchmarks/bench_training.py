@@ -1,6 +1,6 @@
 """Benchmark collaborative training: a 4-peer swarm on loopback against one process.
 
-Trains the character transformer of ``examples/charlm`` (432k parameters, a
+Trains the character transformer of ``p2ptrain.examples.charlm`` (432k parameters, a
 1.7 MB gradient) with AdamW in three ways and reports samples per second:
 
 * ``single``: one process, no networking, batches of ``--batch`` samples;
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the example model lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import emit_json, format_table
+from benchmarks._common import DefaultsHelpFormatter, emit_json, format_table
 
 START_TIMEOUT = 120.0
 
@@ -65,8 +65,8 @@ def _emit(obj: dict[str, Any]) -> None:
 def _corpus_and_model() -> tuple[Any, Any, Any, Any]:
     import torch
 
-    from examples.charlm.data import load_corpus
-    from examples.charlm.model import ModelConfig, loss, make_model, make_optimizer
+    from p2ptrain.examples.charlm.data import load_corpus
+    from p2ptrain.examples.charlm.model import ModelConfig, loss, make_model, make_optimizer
 
     torch.set_num_threads(1)
     config = ModelConfig()
@@ -274,15 +274,21 @@ def summarize(name: str, results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--peers", type=int, default=4, help="peers of the swarm")
+    parser.add_argument("--batch", type=int, default=16, help="local batch of every peer")
     parser.add_argument("--steps", type=int, default=8, help="swarm steps of the plain run")
-    parser.add_argument("--batches-per-step", type=int, default=4)
+    parser.add_argument(
+        "--batches-per-step", type=int, default=4, help="local batches per peer per swarm step"
+    )
     parser.add_argument("--inner-steps", type=int, default=20, help="H of the DiLoCo run")
     parser.add_argument("--rounds", type=int, default=3, help="outer steps of the DiLoCo run")
-    parser.add_argument("--single-batches", type=int, default=60)
+    parser.add_argument(
+        "--single-batches", type=int, default=60, help="batches of the one-process baseline"
+    )
     args = parser.parse_args()
     if args.worker is not None:
         worker_main(json.loads(args.worker))

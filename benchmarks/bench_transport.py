@@ -86,7 +86,7 @@ from p2ptrain.node.node import Node
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
-from p2ptrain.testing.natlab import unavailable_reason
+from p2ptrain.testing.natlab_netns import lab_unavailable
 from p2ptrain.transport.tcp import tcp_connect
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor
 
@@ -94,6 +94,7 @@ if not __package__:  # run as a script: make the benchmarks package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import bench_webrtc
 from benchmarks._common import (
+    DefaultsHelpFormatter,
     ServerProcess,
     announce_ready,
     cpu_seconds,
@@ -719,12 +720,18 @@ def measure_webrtc(args: argparse.Namespace) -> WebRTCOutcome:
     """Stock aiortc and the default ``WebRTCConfig()`` in the NAT lab, clean and lossy."""
     if not args.webrtc:
         return WebRTCOutcome(skipped="--no-webrtc")
-    reason = unavailable_reason()
+    reason = lab_unavailable()
     if reason is not None:
         print(
             f"WebRTC rows skipped: the NAT lab {reason}; TCP rows only", file=sys.stderr, flush=True
         )
         return WebRTCOutcome(skipped=reason)
+    runs = 2 * (args.webrtc_repeats * args.webrtc_seconds)
+    runs += 2 * (args.webrtc_loss_repeats * args.webrtc_loss_seconds)
+    _log(
+        args.json_only,
+        f"WebRTC part (root; --no-webrtc leaves it out): about {runs:.0f} s of timed runs",
+    )
     cells = bench_webrtc.measure(
         WEBRTC_PATHS,
         WEBRTC_VARIANTS,
@@ -899,7 +906,8 @@ def _server_argv(key: str, use_uvloop: bool) -> list[str]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse and check the command line."""
     parser = argparse.ArgumentParser(
-        description="p2ptrain RPC streaming vs a plain asyncio socket, over loopback."
+        description="p2ptrain RPC streaming vs a plain asyncio socket, over loopback.",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--megabytes", type=int, default=256, help="MiB per bulk run")
     parser.add_argument("--chunk-kib", type=int, default=1024, help="KiB per tensor chunk")
@@ -915,12 +923,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=uvloop_available(),
         help="use uvloop in every process (default: when installed)",
     )
-    parser.add_argument("--png", help="also write a bar chart to this PNG file")
+    parser.add_argument("--png", help="also write a bar chart to this PNG file (default: none)")
     parser.add_argument(
         "--webrtc",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also measure the WebRTC data channel in the NAT lab (needs root)",
+        help=(
+            "also measure the WebRTC data channel in the NAT lab (default: on where the lab "
+            "can run, i.e. as root with iptables; stock and tuned, clean and lossy: about "
+            "3 minutes with the defaults below; --no-webrtc leaves it out)"
+        ),
     )
     parser.add_argument(
         "--webrtc-seconds",

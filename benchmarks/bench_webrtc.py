@@ -73,7 +73,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2ptrain.testing.natlab import HomeConfig, LabConfig, NatLab, unavailable_reason
+from p2ptrain.testing.natlab import HomeConfig, LabConfig, NatLab
+from p2ptrain.testing.natlab_netns import lab_unavailable
 from p2ptrain.transport.webrtc import WebRTCTransport
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
 from p2ptrain.transport.webrtc_connect import webrtc_connect
@@ -83,7 +84,14 @@ from p2ptrain.wire.frames import Frame, FrameType
 
 if not __package__:  # run as a script: make the benchmarks package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import cpu_seconds, emit_json, format_table, median, run
+from benchmarks._common import (
+    DefaultsHelpFormatter,
+    cpu_seconds,
+    emit_json,
+    format_table,
+    median,
+    run,
+)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -544,7 +552,9 @@ def _log(quiet: bool, text: str) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line arguments."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument(
         "--seconds", type=float, default=DEFAULT_SECONDS["clean"], help="per run, clean path"
     )
@@ -582,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.role == "peer":
         return _peer_main(args)
-    reason = unavailable_reason()
+    reason = lab_unavailable()
     if reason is not None:
         print(f"bench_webrtc needs network namespaces (root): {reason}", file=sys.stderr)
         return 2

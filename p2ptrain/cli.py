@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-BENCHMARKS = ("transport", "dht", "allreduce", "lp", "training", "webrtc")
+BENCHMARKS = ("all", "transport", "dht", "allreduce", "lp", "training", "webrtc")
 _EXAMPLES = """examples:
   p2ptrain demo                                   # a local swarm on this machine
   p2ptrain train --join PEERID@203.0.113.7:4001 --seconds 600
@@ -63,6 +64,18 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, default_port: int) -> No
         "--insecure-plaintext",
         action="store_true",
         help="trusted clusters only: do not encrypt frames after the handshake (all peers must)",
+    )
+
+
+def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("metrics")
+    group.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics (GET /metrics) on this port"
+    )
+    group.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="interface of the metrics server (default 127.0.0.1; 0.0.0.0 for a remote scraper)",
     )
 
 
@@ -106,10 +119,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "(one joins late, each announces a different bandwidth). Prints a summary "
             "and writes a PNG of the loss against time."
         ),
-        epilog=(
-            "example: p2ptrain demo --peers 4 --seconds 90 --png loss.png\n"
-            "(--megabytes N runs the older in-process tensor ring check instead)"
-        ),
+        epilog="example: p2ptrain demo --peers 4 --seconds 90 --png loss.png",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--peers", type=int, default=4, help="number of peers (default 4)")
@@ -120,11 +130,6 @@ def _build_parser() -> argparse.ArgumentParser:
         "--png", default="p2ptrain-demo-loss.png", help="where to write the loss plot"
     )
     demo.add_argument("--log-dir", help="keep every peer's JSON log lines in this directory")
-    demo.add_argument(
-        "--megabytes",
-        type=float,
-        help="run the tensor ring check with tensors of this size instead of training",
-    )
 
     bootstrap = commands.add_parser(
         "bootstrap",
@@ -152,6 +157,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="another bootstrap peer to connect to, peerid@host:port (repeatable)",
     )
     _add_tofu_flag(bootstrap)
+    _add_metrics_flags(bootstrap)
     nat = bootstrap.add_argument_group("NAT traversal")
     nat.add_argument(
         "--stun-port", type=int, help="UDP port of the STUN responder (default: same as --port)"
@@ -181,7 +187,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="train a model with a swarm (one peer; the charlm example by default)",
         description=(
             "Join a swarm through --join and train with a collaborative optimizer "
-            "the character model of examples/charlm, or your own model with --task, "
+            "the character model of p2ptrain.examples.charlm, or your own model with --task, "
             "showing samples/s, the global step, the loss and the peers online on one line."
         ),
         epilog=(
@@ -203,9 +209,7 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
     train.add_argument("--upload-mbit", type=float, help="announce this upload rate (Mbit/s)")
     train.add_argument("--download-mbit", type=float, help="announce this download rate (Mbit/s)")
-    train.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on this local port"
-    )
+    _add_metrics_flags(train)
     train.add_argument(
         "--log-json", metavar="PATH", help="append JSON event lines to PATH ('-': stdout)"
     )
@@ -254,6 +258,20 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--timeout", type=float, default=20.0, help="seconds to wait for the swarm (default 20)"
     )
+    status.add_argument(
+        "--json", action="store_true", help="print one JSON object per reading instead of a table"
+    )
+    status.add_argument(
+        "--watch",
+        action="store_true",
+        help="keep reading and redraw the table in place until Ctrl-C (default: read once)",
+    )
+    status.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between readings (default 2)"
+    )
+    status.add_argument(
+        "--count", type=int, help="with --watch: stop after this many readings (default: never)"
+    )
 
     keygen = commands.add_parser(
         "keygen",
@@ -272,10 +290,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run a benchmark and print its table",
         description=(
-            "Run one of the benchmarks in benchmarks/ (needs a source checkout). "
+            "Run one of the benchmarks in benchmarks/ (needs a source checkout), or `all`: "
+            "every one this machine can run, into one report (DIR/report.md). "
             "Arguments after the name go to the benchmark; try `--help` there."
         ),
-        epilog="example: p2ptrain bench transport --megabytes 64 --png transport.png",
+        epilog=(
+            "example: p2ptrain bench transport --megabytes 64 --png transport.png\n"
+            "         p2ptrain bench all --out bench-report"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
@@ -388,8 +411,6 @@ def _identity(args: argparse.Namespace) -> Identity | None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    if args.megabytes is not None:
-        return _run_ring_demo(args)
     from p2ptrain.swarm_demo import SwarmDemoConfig, run_swarm_demo  # noqa: PLC0415
 
     config = SwarmDemoConfig(
@@ -402,23 +423,28 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _run_ring_demo(args: argparse.Namespace) -> int:
-    from p2ptrain.demo import DemoConfig, format_report, run_demo  # noqa: PLC0415 - torch is slow
-
-    config = DemoConfig(peers=args.peers, tensor_elements=max(1, int(args.megabytes * 1e6 / 4)))
-    print(f"starting {config.peers} peers on 127.0.0.1 ...")
-    reports = run(run_demo(config))
-    print(format_report(reports))
-    return 0 if all(r.verified for r in reports) else 1
-
-
 def _run_train(args: argparse.Namespace) -> int:
     import contextlib  # noqa: PLC0415
     import signal  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
-    stop = threading.Event()
+    stop, began = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())  # a clean end, with a summary
+
+    def interrupted(signum: int, frame: object) -> None:
+        # Ctrl-C once training began ends it like SIGTERM (summary, exit 0);
+        # before that, or a second time, it interrupts (exit 130).
+        if not began.is_set() or stop.is_set():
+            raise KeyboardInterrupt
+        print("stopping (Ctrl-C again to interrupt) ...", file=sys.stderr, flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGINT, interrupted)
+
+    def joined(address: str) -> None:
+        print(f"joined as {address}", file=sys.stderr, flush=True)
+        began.set()
+
     from p2ptrain.session import (  # noqa: PLC0415 - torch is slow
         TrainingSessionConfig,
         json_lines_logger,
@@ -434,6 +460,7 @@ def _run_train(args: argparse.Namespace) -> int:
         upload_mbit=args.upload_mbit,
         download_mbit=args.download_mbit,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         node=_node_config(args),
         identity_path=args.identity,
         nat=_train_nat_config(args),
@@ -454,7 +481,7 @@ def _run_train(args: argparse.Namespace) -> int:
             config,
             display=sys.stderr,
             log=log,
-            announce=lambda address: print(f"joined as {address}", file=sys.stderr, flush=True),
+            announce=joined,
             stop=stop,
         )
     print(
@@ -467,7 +494,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from p2ptrain.session import StatusConfig, status_table  # noqa: PLC0415
+    from p2ptrain.session import StatusConfig, watch_status  # noqa: PLC0415
 
     node = NodeConfig(
         port=0, swarm=args.swarm, admission=AdmissionPolicy(secret=_read_secret(args.secret_file))
@@ -475,7 +502,21 @@ def _run_status(args: argparse.Namespace) -> int:
     config = StatusConfig(
         initial_peers=_join_addresses(args), run_id=args.run_id, timeout=args.timeout, node=node
     )
-    print(status_table(config))
+    if not args.watch:
+        if args.count is not None:
+            raise ConfigError("--count needs --watch")
+        (text,) = watch_status(config, as_json=args.json, count=1)
+        print(text)
+        return 0
+    redraw = sys.stdout.isatty() and not args.json
+
+    def show(text: str) -> None:
+        # On a terminal the table is redrawn in place (cursor home, clear below).
+        print(("\x1b[H\x1b[J" if redraw else "") + text + ("" if redraw or args.json else "\n"))
+        sys.stdout.flush()
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a watch ends
+        watch_status(config, as_json=args.json, interval=args.interval, count=args.count, show=show)
     return 0
 
 
@@ -504,16 +545,30 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    try:
-        run(
-            run_bootstrap_peer(
+    async def serve() -> None:
+        from p2ptrain.metrics import Metrics, MetricsServer  # noqa: PLC0415
+
+        metrics = Metrics()
+        server = None
+        if args.metrics_port is not None:
+            server = MetricsServer(metrics, host=args.metrics_host, port=args.metrics_port)
+            await server.start()
+            print(f"  metrics on http://{args.metrics_host}:{server.port}/metrics", flush=True)
+        try:
+            await run_bootstrap_peer(
                 _node_config(args),
                 dht_config,
                 nat_config,
                 identity=_identity(args),
                 announce=announce,
+                metrics=metrics,
             )
-        )
+        finally:
+            if server is not None:
+                await server.aclose()
+
+    try:
+        run(serve())
     except KeyboardInterrupt:
         print("stopped")
     return 0

@@ -1,59 +1,101 @@
-"""Counters, gauges and timings of a peer, as JSON lines or Prometheus text.
+"""Counters, gauges and timing histograms of a peer, on the Prometheus client library.
 
-Every subsystem records into one :class:`Metrics` registry: counters only go
-up (bytes sent, rounds, RPC failures), gauges are set (samples/s, peers
-online), timings keep a count, a sum and the recent values for quantiles
-(all-reduce seconds, achieved versus predicted). Collectors are callbacks run
-at snapshot time, for figures that live elsewhere (a transport's byte
-counters): :func:`node_collector` (connections and bytes per path),
-:func:`dht_collector` (DHT requests) and :func:`allreduce_collector`
-(averaging rounds). :class:`MetricsServer` serves ``GET /metrics`` in the
-Prometheus text format on a local port; :class:`JsonLinesWriter` appends
-snapshots to a file. Both read :meth:`Metrics.samples`, so they always agree.
-:data:`HELP` describes every metric the package records (``docs/observability.md``
-lists them too).
+Every subsystem records into one :class:`Metrics` registry (a
+``prometheus_client`` :class:`~prometheus_client.CollectorRegistry`):
+counters only go up (bytes sent, rounds, RPC failures), gauges are set
+(samples/s, peers online), timings are histograms (all-reduce seconds,
+matchmaking seconds), which Prometheus can add up across peers. Collectors are
+callbacks run at scrape time for figures that live elsewhere (a transport's
+byte counters): :func:`node_collector` (connections and bytes per path),
+:func:`dht_collector` (DHT requests), :func:`nat_collector` (traversals),
+:func:`allreduce_collector` (averaging rounds) and :func:`bootstrap_collector`
+(STUN answers, relay circuits and bytes). The registry also carries the
+process metrics (CPU seconds, resident memory, open files) under
+``p2ptrain_process_*``.
+
+:class:`MetricsServer` serves ``GET /metrics`` with ``prometheus_client``'s
+HTTP server; :class:`JsonLinesWriter` appends :meth:`Metrics.snapshot` lines
+to a file. Both read the same registry, so they always agree. Every name
+starts with ``p2ptrain_``; :data:`HELP` describes each family the package
+records and :data:`RENAMED` lists the names earlier versions used
+(``docs/observability.md`` shows both).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import math
 import re
+import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from p2ptrain.errors import ConfigError
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from p2ptrain.dht.stats import LATENCY_BUCKETS
+from p2ptrain.errors import ConfigError, ConnectError
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from p2ptrain.dht.node import DHTNode
     from p2ptrain.nat.service import NATService
     from p2ptrain.train.round_stats import RoundStats
 
 __all__ = [
     "HELP",
+    "PREFIX",
+    "RENAMED",
+    "TIMING_BUCKETS",
     "JsonLinesWriter",
     "Metrics",
     "MetricsServer",
     "Sample",
     "allreduce_collector",
+    "bootstrap_collector",
     "dht_collector",
+    "histogram_samples",
     "nat_collector",
     "node_collector",
 ]
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+# The text format would carry a "<name>_created" gauge beside every counter and
+# histogram (its creation time): noise on every scrape, so it is left out
+# (a process-wide setting of prometheus_client).
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+PREFIX = "p2ptrain_"
+"""Every metric name starts with this."""
+_NAME = re.compile(r"^p2ptrain_[a-zA-Z0-9_]*[a-zA-Z0-9]$")
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-Labels = tuple[tuple[str, str], ...]
+TIMING_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+TIMING_BUCKETS += (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+"""Upper bounds (seconds) of the timing histograms' buckets; ``+Inf`` is added."""
 
 HELP: dict[str, str] = {
     # node_collector
@@ -70,7 +112,6 @@ HELP: dict[str, str] = {
     # allreduce_collector
     "p2ptrain_allreduce_rounds_total": "All-reduce rounds run, by result.",
     "p2ptrain_allreduce_failures_total": "Steps averaged locally after an error, by stage.",
-    "p2ptrain_allreduce_seconds": "Achieved all-reduce seconds.",
     "p2ptrain_allreduce_predicted_seconds": "Load-balancer predicted seconds of the rounds.",
     "p2ptrain_allreduce_last_seconds": "Achieved seconds of the latest round.",
     "p2ptrain_allreduce_last_predicted_seconds": "Predicted seconds of the latest round.",
@@ -86,28 +127,59 @@ HELP: dict[str, str] = {
     "p2ptrain_nat_crossing_dials_total": "Traversals that kept a simultaneous dial's connection.",
     "p2ptrain_nat_traversal_seconds": "Seconds the traversals that connected took.",
     "p2ptrain_nat_refused_total": "Traversed connections refused at the handshake.",
+    # bootstrap_collector
+    "p2ptrain_stun_answers_total": "STUN Binding requests this peer answered.",
+    "p2ptrain_stun_ignored_total": "Datagrams to the STUN port that were not Binding requests.",
+    "p2ptrain_relay_circuits_open": "Relayed connections open now.",
+    "p2ptrain_relay_circuits_total": "Relayed connections admitted since the start.",
+    "p2ptrain_relay_circuits_refused_total": "Relayed connections refused at the circuit limit.",
+    "p2ptrain_relay_bytes_total": "Bytes forwarded for relayed connections.",
     # recorded by the trainer (p2ptrain.train.collaboration)
-    "train_samples_total": "Samples this peer computed.",
-    "train_samples_per_s": "This peer's recent samples per second.",
-    "train_rounds_total": "Steps averaged, in a group or locally.",
-    "train_allreduce_bytes_sent_total": "Tensor bytes the trainer's averaging sent.",
-    "train_allreduce_bytes_received_total": "Tensor bytes the trainer's averaging received.",
-    "train_matchmaking_seconds": "Seconds from the start of matchmaking to a group plan.",
-    "train_allreduce_seconds": "Seconds of the trainer's all-reduce calls.",
-    "train_wait_seconds": "Seconds blocked waiting for the swarm.",
-    "train_state_downloads_total": "States downloaded from other peers.",
-    "train_state_download_seconds": "Seconds state downloads took.",
-    "train_global_step": "This peer's global step.",
-    "train_swarm_global_step": "The swarm's global step as last read.",
-    "train_swarm_samples_per_s": "The swarm's samples per second as last read.",
-    "train_peers_online": "Peers of the run online as last read.",
+    "p2ptrain_train_samples_total": "Samples this peer computed.",
+    "p2ptrain_train_samples_per_s": "This peer's recent samples per second.",
+    "p2ptrain_train_rounds_total": "Steps averaged, in a group or locally, by outcome.",
+    "p2ptrain_matchmaking_seconds": "Seconds from the start of matchmaking to a group plan.",
+    "p2ptrain_allreduce_seconds": "Seconds of the trainer's all-reduce rounds (in a group).",
+    "p2ptrain_train_wait_seconds": "Seconds blocked waiting for the swarm.",
+    "p2ptrain_state_downloads_total": "States downloaded from other peers.",
+    "p2ptrain_state_download_seconds": "Seconds state downloads took.",
+    "p2ptrain_train_global_step": "This peer's global step.",
+    "p2ptrain_swarm_global_step": "The swarm's global step as last read.",
+    "p2ptrain_swarm_samples_per_s": "The swarm's samples per second as last read.",
+    "p2ptrain_peers_online": "Peers of the run online as last read.",
 }
 """One line of help per metric family, shown as ``# HELP`` in the Prometheus text."""
+
+RENAMED: dict[str, str] = {
+    "train_samples_total": "p2ptrain_train_samples_total",
+    "train_samples_per_s": "p2ptrain_train_samples_per_s",
+    "train_rounds_total": "p2ptrain_train_rounds_total",
+    "train_allreduce_bytes_sent_total": "p2ptrain_allreduce_bytes_sent_total",
+    "train_allreduce_bytes_received_total": "p2ptrain_allreduce_bytes_received_total",
+    "train_matchmaking_seconds": "p2ptrain_matchmaking_seconds",
+    "train_allreduce_seconds": "p2ptrain_allreduce_seconds",
+    "train_wait_seconds": "p2ptrain_train_wait_seconds",
+    "train_state_downloads_total": "p2ptrain_state_downloads_total",
+    "train_state_download_seconds": "p2ptrain_state_download_seconds",
+    "train_global_step": "p2ptrain_train_global_step",
+    "train_swarm_global_step": "p2ptrain_swarm_global_step",
+    "train_swarm_samples_per_s": "p2ptrain_swarm_samples_per_s",
+    "train_peers_online": "p2ptrain_peers_online",
+}
+"""Earlier name -> current name. The two ``train_allreduce_bytes_*`` counters
+counted the same bytes as ``p2ptrain_allreduce_bytes_*`` and were merged into
+them; the timings were quantile summaries and are histograms now."""
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One value of one metric, as collectors report it."""
+    """One value of one metric, as collectors report it.
+
+    ``kind`` is "counter" or "gauge"; a counter pair named ``X_count`` and
+    ``X_sum`` is exposed as the summary ``X`` (count and sum, no quantiles),
+    or, with cumulative ``X_bucket`` counters labelled ``le`` beside them (see
+    :func:`histogram_samples`), as the histogram ``X``.
+    """
 
     name: str
     value: float
@@ -115,60 +187,81 @@ class Sample:
     kind: str = "gauge"
 
 
-@dataclass
-class _Timing:
-    count: int = 0
-    total: float = 0.0
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
-
-    def quantile(self, q: float) -> float:
-        if not self.recent:
-            return math.nan
-        ordered = sorted(self.recent)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _key(name: str, labels: Mapping[str, str] | None) -> tuple[str, Labels]:
+def _check_name(name: str) -> None:
     if not _NAME.match(name):
-        raise ConfigError(f"bad metric name {name!r}")
-    if not labels:
-        return name, ()
-    for label in labels:
+        raise ConfigError(
+            f"bad metric name {name!r}: names start with {PREFIX!r} and use [a-zA-Z0-9_]"
+        )
+
+
+def _label_names(labels: Mapping[str, str] | None) -> tuple[str, ...]:
+    names = tuple(sorted(labels or {}))
+    for label in names:
         if not _LABEL.match(label) or label.startswith("__"):
             raise ConfigError(f"bad label name {label!r}")
-    return name, tuple(sorted(labels.items()))
+    return names
+
+
+_Family = Counter | Gauge | Histogram
 
 
 class Metrics:
-    """A registry of counters, gauges and timings."""
+    """A registry of counters, gauges and timing histograms (``prometheus_client``).
 
-    def __init__(self) -> None:
-        self._counters: dict[tuple[str, Labels], float] = {}
-        self._gauges: dict[tuple[str, Labels], float] = {}
-        self._timings: dict[tuple[str, Labels], _Timing] = {}
+    Args:
+        process: Also export this process's CPU, memory and open files
+            (``p2ptrain_process_*``; Linux, from ``/proc``).
+    """
+
+    def __init__(self, *, process: bool = True) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._families: dict[str, tuple[_Family, tuple[str, ...]]] = {}
+        self._lock = threading.Lock()
         self._collectors: list[Callable[[], Iterable[Sample]]] = []
         self._help: dict[str, str] = dict(HELP)
+        self.registry.register(_Bridge(self))
+        if process:
+            ProcessCollector(namespace="p2ptrain", registry=self.registry)
+
+    def _family(self, kind: type[_Family], name: str, labels: Mapping[str, str] | None) -> Any:
+        _check_name(name)
+        names = _label_names(labels)
+        with self._lock:
+            known = self._families.get(name)
+            if known is None:
+                text = self._help.get(name, name)
+                if kind is Histogram:
+                    family: _Family = Histogram(
+                        name, text, names, registry=self.registry, buckets=TIMING_BUCKETS
+                    )
+                else:
+                    family = kind(name, text, names, registry=self.registry)
+                known = self._families[name] = (family, names)
+        family, expected = known
+        if not isinstance(family, kind):
+            raise ConfigError(f"metric {name!r} is a {type(family).__name__.lower()}")
+        if names != expected:
+            raise ConfigError(f"metric {name!r} has labels {expected}, got {names}")
+        return family.labels(**labels) if names and labels else family
 
     def inc(self, name: str, amount: float = 1.0, labels: Mapping[str, str] | None = None) -> None:
-        """Add ``amount`` (>= 0) to a counter."""
-        if amount < 0:
-            raise ConfigError("counters only go up")
-        key = _key(name, labels)
-        self._counters[key] = self._counters.get(key, 0.0) + amount
+        """Add ``amount`` (>= 0) to a counter (its name ends in ``_total``)."""
+        if not (amount >= 0 and math.isfinite(amount)):
+            raise ConfigError("counters only go up, by finite amounts")
+        if not name.endswith("_total"):
+            raise ConfigError(f"counter names end in _total, got {name!r}")
+        self._family(Counter, name, labels).inc(amount)
 
     def set(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
         """Set a gauge."""
-        self._gauges[_key(name, labels)] = float(value)
+        self._family(Gauge, name, labels).set(float(value))
 
     def observe(self, name: str, seconds: float, labels: Mapping[str, str] | None = None) -> None:
-        """Record one timing."""
-        timing = self._timings.setdefault(_key(name, labels), _Timing())
-        timing.count += 1
-        timing.total += seconds
-        timing.recent.append(seconds)
+        """Record one timing in the histogram ``name`` (buckets: :data:`TIMING_BUCKETS`)."""
+        self._family(Histogram, name, labels).observe(seconds)
 
     def add_collector(self, collector: Callable[[], Iterable[Sample]]) -> None:
-        """Run ``collector`` at every snapshot and include its samples.
+        """Run ``collector`` at every scrape and snapshot and include its samples.
 
         Collectors reporting the same series (several peers sharing one
         registry) are merged: counters add up, gauges keep the last value.
@@ -176,42 +269,27 @@ class Metrics:
         self._collectors.append(collector)
 
     def describe(self, family: str, text: str) -> None:
-        """Set the ``# HELP`` text of a metric family (see :data:`HELP`)."""
-        _key(family, None)
+        """Set the ``# HELP`` text of a family (before its first use; see :data:`HELP`)."""
+        _check_name(family)
         self._help[family] = text
 
     def counter(self, name: str, labels: Mapping[str, str] | None = None) -> float:
         """The current value of a counter (0 if never incremented)."""
-        return self._counters.get(_key(name, labels), 0.0)
+        value = self.registry.get_sample_value(name, dict(labels or {}))
+        return 0.0 if value is None else value
 
     def samples(self) -> list[Sample]:
-        """Every current value, collectors included.
+        """Every current value (collectors, histograms' buckets and process metrics included).
 
-        Safe to call from another thread than the one recording: each dict is
-        copied in one step (under the GIL) before it is read.
+        Safe to call from another thread than the one recording.
         """
-        out = [Sample(n, v, dict(lb), "counter") for (n, lb), v in list(self._counters.items())]
-        out += [Sample(n, v, dict(lb), "gauge") for (n, lb), v in list(self._gauges.items())]
-        for (name, labels), timing in list(self._timings.items()):
-            base = dict(labels)
-            out.append(Sample(f"{name}_count", timing.count, base, "counter"))
-            out.append(Sample(f"{name}_sum", timing.total, base, "counter"))
-            for q in (0.5, 0.99):
-                out.append(
-                    Sample(name, timing.quantile(q), {**base, "quantile": str(q)}, "summary")
-                )
-        if not self._collectors:
-            return out
-        merged: dict[tuple[str, Labels], Sample] = {}
-        for collector in self._collectors:
-            for sample in collector():
-                series = (sample.name, tuple(sorted(sample.labels.items())))
-                prior = merged.get(series)
-                if prior is not None and sample.kind == "counter":
-                    merged[series] = dataclasses.replace(sample, value=prior.value + sample.value)
-                else:
-                    merged[series] = sample
-        return out + list(merged.values())
+        out: list[Sample] = []
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_created"):
+                    continue  # creation times of counters and histograms
+                out.append(Sample(sample.name, sample.value, dict(sample.labels), metric.type))
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able dict: ``{"time": ..., "metrics": {"name{labels}": value}}``.
@@ -225,27 +303,83 @@ class Metrics:
         return {"time": time.time(), "metrics": metrics}
 
     def prometheus_text(self) -> str:
-        """The Prometheus text exposition format (version 0.0.4).
+        """The Prometheus text exposition format, as ``prometheus_client`` writes it."""
+        return generate_latest(self.registry).decode()
 
-        Each family's samples come together, after its ``# HELP`` (when
-        known) and ``# TYPE`` lines. A ``_count``/``_sum`` pair makes a
-        summary (with quantiles for timings, without for collectors' sums).
-        """
-        families: dict[str, tuple[str, list[Sample]]] = {}
-        for sample in self.samples():
-            family, kind = sample.name, sample.kind
-            if kind == "summary" or family.endswith(("_count", "_sum")):
-                family, kind = re.sub(r"_(count|sum)$", "", family), "summary"
-            families.setdefault(family, (kind, []))[1].append(sample)
-        lines: list[str] = []
-        for family in sorted(families):
-            kind, samples = families[family]
-            if family in self._help:
-                lines.append(f"# HELP {family} {_escape_help(self._help[family])}")
-            lines.append(f"# TYPE {family} {kind}")
-            samples.sort(key=lambda s: (s.name, sorted(s.labels.items())))
-            lines += [f"{_series(s.name, s.labels)} {_number(s.value)}" for s in samples]
-        return "\n".join(lines) + "\n"
+    def _collected(self) -> Iterator[Metric]:
+        """The collectors' samples as metric families (what :class:`_Bridge` exports)."""
+        merged: dict[tuple[str, tuple[tuple[str, str], ...]], Sample] = {}
+        for collector in list(self._collectors):
+            for reported in collector():
+                _check_name(reported.name)
+                series = (reported.name, tuple(sorted(reported.labels.items())))
+                prior = merged.get(series)
+                if prior is not None and reported.kind == "counter":
+                    total = prior.value + reported.value
+                    reported = Sample(reported.name, total, reported.labels, "counter")  # noqa: PLW2901
+                merged[series] = reported
+        families: dict[str, list[Sample]] = {}
+        for sample in merged.values():
+            families.setdefault(sample.name, []).append(sample)
+        histograms = {
+            name[: -len("_bucket")]
+            for name in families
+            if name.endswith("_bucket")
+            and {name[: -len("_bucket")] + "_count", name[: -len("_bucket")] + "_sum"}
+            <= set(families)
+        }
+        for base in sorted(histograms):
+            buckets, sums = families.pop(base + "_bucket"), families.pop(base + "_sum")
+            families.pop(base + "_count")
+            names = sorted(n for n in buckets[0].labels if n != "le")
+            histogram = HistogramMetricFamily(base, self._help.get(base, base), labels=names)
+            totals = {tuple(s.labels[n] for n in names): s.value for s in sums}
+            by_labels: dict[tuple[str, ...], list[tuple[str, float]]] = {}
+            for sample in buckets:
+                key = tuple(sample.labels[n] for n in names)
+                by_labels.setdefault(key, []).append((sample.labels["le"], sample.value))
+            for key, points in sorted(by_labels.items()):
+                points.sort(key=lambda point: float(point[0]))
+                histogram.add_metric(list(key), points, sum_value=totals.get(key, 0.0))
+            yield histogram
+        summaries = {
+            name[: -len("_count")]
+            for name in families
+            if name.endswith("_count") and name[: -len("_count")] + "_sum" in families
+        }
+        for base in sorted(summaries):
+            counts, sums = families.pop(base + "_count"), families.pop(base + "_sum")
+            names = sorted(counts[0].labels)
+            summary = SummaryMetricFamily(base, self._help.get(base, base), labels=names)
+            totals = {tuple(s.labels[n] for n in names): s.value for s in sums}
+            for sample in counts:
+                key = tuple(sample.labels[n] for n in names)
+                count = int(sample.value)
+                summary.add_metric(list(key), count_value=count, sum_value=totals.get(key, 0.0))
+            yield summary
+        for name, samples in sorted(families.items()):
+            names = sorted(samples[0].labels)
+            text = self._help.get(name, name)
+            if samples[0].kind == "counter":
+                family: Metric = CounterMetricFamily(name, text, labels=names)
+            else:
+                family = GaugeMetricFamily(name, text, labels=names)
+            for sample in samples:
+                family.add_metric([sample.labels[n] for n in names], sample.value)  # type: ignore[attr-defined]
+            yield family
+
+
+class _Bridge(Collector):
+    """Exports a :class:`Metrics`' callback collectors through ``prometheus_client``."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._metrics._collected())
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # what the callbacks report is only known when they run
 
 
 def _series(name: str, labels: Mapping[str, str]) -> str:
@@ -257,18 +391,6 @@ def _series(name: str, labels: Mapping[str, str]) -> str:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
 
 
 class _TrafficSource(Protocol):
@@ -299,6 +421,35 @@ def node_collector(node: _TrafficSource) -> Callable[[], list[Sample]]:
     return collect
 
 
+def histogram_samples(
+    name: str,
+    bounds: Iterable[float],
+    counts: Iterable[int],
+    total: float,
+    labels: Mapping[str, str] | None = None,
+) -> list[Sample]:
+    """A histogram as collector samples: cumulative ``name_bucket{le}``, ``_count``, ``_sum``.
+
+    Args:
+        name: The family.
+        bounds: The buckets' upper bounds, ascending (``+Inf`` is added).
+        counts: Observations per bucket, not cumulative: one per bound, then
+            one for those above the largest.
+        total: The sum of the observations.
+        labels: The series' other labels.
+    """
+    base = dict(labels or {})
+    out: list[Sample] = []
+    running = 0
+    for bound, count in zip([*bounds, math.inf], counts, strict=True):
+        running += count
+        le = "+Inf" if math.isinf(bound) else repr(float(bound))  # as prometheus_client writes it
+        out.append(_counter(f"{name}_bucket", running, {**base, "le": le}))
+    out.append(_counter(f"{name}_count", running, base))
+    out.append(_counter(f"{name}_sum", total, base))
+    return out
+
+
 def dht_collector(node: DHTNode) -> Callable[[], list[Sample]]:
     """A collector of a DHT node's requests by method, failures, latency and table size.
 
@@ -314,10 +465,11 @@ def dht_collector(node: DHTNode) -> Callable[[], list[Sample]]:
         for method, count in sorted(dict(stats.sent).items()):
             labels = {"method": method}
             samples.append(_counter("p2ptrain_dht_requests_total", count, labels))
-            answered = stats.answered.get(method, 0)
             seconds = stats.answer_seconds.get(method, 0.0)
-            samples.append(_counter("p2ptrain_dht_response_seconds_count", answered, labels))
-            samples.append(_counter("p2ptrain_dht_response_seconds_sum", seconds, labels))
+            counts = stats.answer_buckets.get(method, [0] * (len(LATENCY_BUCKETS) + 1))
+            samples += histogram_samples(
+                "p2ptrain_dht_response_seconds", LATENCY_BUCKETS, counts, seconds, labels
+            )
         for (method, reason), count in sorted(dict(stats.failed).items()):
             labels = {"method": method, "reason": reason}
             samples.append(_counter("p2ptrain_dht_request_failures_total", count, labels))
@@ -356,18 +508,17 @@ def nat_collector(service: NATService) -> Callable[[], list[Sample]]:
 
 
 def allreduce_collector(stats: RoundStats) -> Callable[[], list[Sample]]:
-    """A collector of a trainer's all-reduce rounds: achieved vs predicted seconds, bytes.
+    """A collector of a trainer's all-reduce rounds: results, predicted seconds, bytes.
 
     :class:`~p2ptrain.train.collaboration.Collaboration` registers one when
-    given a registry.
+    given a registry (and records the achieved seconds of each round in the
+    histogram ``p2ptrain_allreduce_seconds``).
     """
 
     def collect() -> list[Sample]:
         samples = [
             _counter("p2ptrain_allreduce_rounds_total", stats.rounds - stats.incomplete, _DONE),
             _counter("p2ptrain_allreduce_rounds_total", stats.incomplete, _PARTLY),
-            _counter("p2ptrain_allreduce_seconds_count", stats.rounds),
-            _counter("p2ptrain_allreduce_seconds_sum", stats.seconds),
             _counter("p2ptrain_allreduce_predicted_seconds_count", stats.predicted_rounds),
             _counter("p2ptrain_allreduce_predicted_seconds_sum", stats.predicted_seconds),
             _counter("p2ptrain_allreduce_members_total", stats.members),
@@ -391,6 +542,33 @@ def allreduce_collector(stats: RoundStats) -> Callable[[], list[Sample]]:
 
 _DONE = {"result": "complete"}
 _PARTLY = {"result": "incomplete"}
+
+
+def bootstrap_collector(service: NATService) -> Callable[[], list[Sample]]:
+    """A collector of what a public peer serves others: STUN answers and relay circuits.
+
+    Use ``metrics.add_collector(bootstrap_collector(nat))`` on a bootstrap
+    peer (``p2ptrain bootstrap`` does); relay figures appear when it relays.
+    """
+
+    def collect() -> list[Sample]:
+        responders = [r for r in (service.stun, service.stun_alt) if r is not None]
+        samples = [
+            _counter("p2ptrain_stun_answers_total", sum(r.answered for r in responders)),
+            _counter("p2ptrain_stun_ignored_total", sum(r.ignored for r in responders)),
+        ]
+        server = service.rendezvous_server
+        relay = None if server is None else server.relay
+        if relay is not None:
+            samples += [
+                Sample("p2ptrain_relay_circuits_open", relay.active),
+                _counter("p2ptrain_relay_circuits_total", relay.opened),
+                _counter("p2ptrain_relay_circuits_refused_total", relay.refused),
+                _counter("p2ptrain_relay_bytes_total", relay.relayed_bytes),
+            ]
+        return samples
+
+    return collect
 
 
 class JsonLinesWriter:
@@ -432,42 +610,44 @@ class JsonLinesWriter:
 
 
 class MetricsServer:
-    """Serves ``GET /metrics`` (Prometheus text) on a local port; nothing else."""
+    """Serves ``GET /metrics`` (Prometheus text) with ``prometheus_client``'s HTTP server.
+
+    Args:
+        metrics: The registry to serve.
+        host: The interface to listen on: 127.0.0.1 by default (this machine
+            only); ``0.0.0.0`` for a Prometheus server elsewhere.
+        port: The port (0 picks one; read it back from :attr:`port`).
+    """
 
     def __init__(self, metrics: Metrics, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self.metrics = metrics
         self.host = host
         self.port = port
-        self._server: asyncio.Server | None = None
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
 
     async def start(self) -> None:
-        """Start listening (``port`` 0 picks one; read it back from :attr:`port`)."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        """Start serving in a thread of its own.
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        Raises:
+            ConnectError: The address cannot be bound.
+        """
         try:
-            async with asyncio.timeout(5):
-                request = await reader.readuntil(b"\r\n\r\n")
-            method, path, *_ = [*request.split(b" ", 2), b"", b""]
-            if method == b"GET" and path.split(b"?")[0] == b"/metrics":
-                status, body = "200 OK", self.metrics.prometheus_text().encode()
-            else:
-                status, body = "404 Not Found", b"only GET /metrics is served\n"
-            head = (
-                f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            self._server, self._thread = start_http_server(
+                self.port, addr=self.host, registry=self.metrics.registry
             )
-            writer.write(head.encode() + body)
-            await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
-            pass  # a broken or slow client: just drop it
-        finally:
-            writer.close()
+        except OSError as exc:
+            raise ConnectError(
+                f"cannot serve metrics on {self.host}:{self.port}: {exc.strerror or exc}"
+            ) from exc
+        self.port = int(self._server.server_address[1])
 
     async def aclose(self) -> None:
         """Stop serving."""
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            await asyncio.to_thread(server.shutdown)
+            server.server_close()
+        if thread is not None:
+            await asyncio.to_thread(thread.join, 5)

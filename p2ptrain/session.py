@@ -3,7 +3,7 @@
 :func:`run_training_peer` is what ``p2ptrain train`` runs: a
 :class:`~p2ptrain.peer.Peer` joins the swarm, a
 :class:`~p2ptrain.train.CollaborativeOptimizer` trains the character model of
-``examples/charlm`` for a bounded time, and a one-line display shows the
+``p2ptrain.examples.charlm`` for a bounded time, and a one-line display shows the
 peer's samples/s, the swarm's global step, the loss and the peers online.
 Events also go out as JSON lines (``{"event": "start" | "progress" | "end", ...}``)
 for programs such as the swarm demo.
@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from p2ptrain.errors import ConfigError, DHTError
@@ -43,10 +42,11 @@ __all__ = [
     "read_nat_records",
     "read_progress",
     "run_training_peer",
+    "status_json",
     "status_table",
+    "watch_status",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 _NUM_SHARDS = 1024
 _MBIT = 1e6 / 8
 
@@ -86,8 +86,10 @@ class TrainingSessionConfig:
         upload_mbit: Upload rate announced to the load balancer (Mbit/s),
             or ``None`` to measure it.
         download_mbit: Download rate announced (Mbit/s), or ``None`` to measure it.
-        metrics_port: Serve Prometheus metrics on this local port (0 picks
+        metrics_port: Serve Prometheus metrics on this port (0 picks
             one), or ``None`` for no server.
+        metrics_host: The interface the metrics server listens on
+            (127.0.0.1: this machine only; 0.0.0.0 for a remote Prometheus).
         log_interval: Seconds between two progress events and display updates.
         node: Where the peer listens and how it admits others.
         identity_path: Key file of the peer (created if missing), or ``None``.
@@ -104,6 +106,7 @@ class TrainingSessionConfig:
     upload_mbit: float | None = None
     download_mbit: float | None = None
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     log_interval: float = 1.0
     node: NodeConfig = field(default_factory=lambda: NodeConfig(port=0))
     identity_path: str | None = None
@@ -128,6 +131,8 @@ class TrainingSessionConfig:
         _integer(owner, "metrics_port", self.metrics_port, low=0, allow_none=True)
         if self.metrics_port is not None and self.metrics_port > 65535:
             raise ConfigError(f"{owner}.metrics_port must be at most 65535")
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ConfigError(f"{owner}.metrics_host must be a host name or address")
         _number(owner, "log_interval", self.log_interval, low=0.0, allow_none=False)
         if not isinstance(self.node, NodeConfig):
             raise ConfigError(f"{owner}.node must be a NodeConfig")
@@ -235,7 +240,7 @@ def run_training_peer(
         What the session did.
 
     Raises:
-        ConfigError: The charlm example is missing.
+        ConfigError: The task cannot be loaded.
         LookupFailedError: None of the initial peers answered.
         ConnectError: The port cannot be bound.
     """
@@ -289,7 +294,7 @@ def run_training_peer(
             metrics.add_collector(nat_collector(peer.nat))
         server: MetricsServer | None = None
         if config.metrics_port is not None:
-            server = MetricsServer(metrics, port=config.metrics_port)
+            server = MetricsServer(metrics, host=config.metrics_host, port=config.metrics_port)
             peer.run(server.start(), timeout=10)
         started_wall = time.time()
         emit(
@@ -554,30 +559,133 @@ def status_table(config: StatusConfig) -> str:
         LookupFailedError: None of the initial peers answered.
         DHTError: Joining and reading took longer than ``config.timeout``.
     """
+    return watch_status(config, render=_table_of(config), count=1)[0]
+
+
+def status_json(
+    records: Sequence[PeerProgress],
+    *,
+    run_id: str,
+    now: float,
+    nat_records: Mapping[PeerID, PeerRecord] | None = None,
+) -> dict[str, Any]:
+    """The status of a run as a JSON-able dict (``p2ptrain status --json``).
+
+    Keys: ``run_id``, ``time``, ``peers_online``, ``global_step``,
+    ``samples_per_s`` and ``peers``, one dict per live peer (highest step
+    first) with ``peer_id``, ``reach``, ``samples_per_s``,
+    ``upload_bytes_per_s``, ``download_bytes_per_s``, ``last_seen_s`` and
+    ``global_step``.
+    """
+    nat_records = nat_records or {}
+    view = aggregate(records, target_batch_size=None, now=now)
+    return {
+        "run_id": run_id,
+        "time": now,
+        "peers_online": view.peers_online,
+        "global_step": view.global_step,
+        "samples_per_s": view.samples_per_s,
+        "peers": [
+            {
+                "peer_id": str(r.peer_id),
+                "reach": _reachability(r, nat_records.get(r.peer_id)),
+                "samples_per_s": r.samples_per_s,
+                "upload_bytes_per_s": r.upload_bytes_per_s,
+                "download_bytes_per_s": r.download_bytes_per_s,
+                "last_seen_s": max(0.0, now - r.time),
+                "global_step": r.step,
+            }
+            for r in view.records
+        ],
+    }
+
+
+_Render = Callable[[list[PeerProgress], "dict[PeerID, PeerRecord]", float], str]
+
+
+def _table_of(config: StatusConfig) -> _Render:
+    def render(records: list[PeerProgress], nat: dict[PeerID, PeerRecord], now: float) -> str:
+        return format_status(
+            records, run_id=config.run_id, now=now, target_batch_size=None, nat_records=nat
+        )
+
+    return render
+
+
+def _json_of(config: StatusConfig) -> _Render:
+    def render(records: list[PeerProgress], nat: dict[PeerID, PeerRecord], now: float) -> str:
+        return json.dumps(status_json(records, run_id=config.run_id, now=now, nat_records=nat))
+
+    return render
+
+
+def watch_status(
+    config: StatusConfig,
+    *,
+    render: _Render | None = None,
+    as_json: bool = False,
+    interval: float = 2.0,
+    count: int | None = None,
+    show: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Read the run's status every ``interval`` seconds through one DHT client.
+
+    Args:
+        config: Where to read.
+        render: Formats one reading (default: the table, or JSON with ``as_json``).
+        as_json: Render each reading as one JSON line.
+        interval: Seconds between readings.
+        count: Readings to take, or ``None`` for as many as until interrupted.
+        show: Called with each rendered reading as it comes.
+
+    Returns:
+        The rendered readings (only the last one when ``count`` is None).
+
+    Raises:
+        LookupFailedError: None of the initial peers answered.
+        DHTError: Joining and the first reading took longer than ``config.timeout``.
+    """
+    import asyncio  # noqa: PLC0415
+
     from p2ptrain.aio import run  # noqa: PLC0415
     from p2ptrain.dht.api import DHT  # noqa: PLC0415
     from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
 
-    async def read() -> tuple[list[PeerProgress], dict[PeerID, PeerRecord]]:
+    if count is not None and count < 1:
+        raise ConfigError("the status needs at least one reading")
+    _number("watch_status", "interval", interval, low=0.0, allow_none=False)
+    draw = render or (_json_of(config) if as_json else _table_of(config))
+    shown: list[str] = []
+
+    async def reading(dht: DHT) -> str:
+        records = await read_progress(dht, config.run_id)
+        nat = await read_nat_records(dht, [r.peer_id for r in records])
+        return draw(records, nat, time.time())
+
+    async def loop(dht: DHT) -> None:
+        taken = 0
+        while count is None or taken < count:
+            if taken:
+                await asyncio.sleep(interval)  # the refresh period, not a wait for a condition
+            try:
+                async with asyncio.timeout(config.timeout):
+                    text = await reading(dht)
+            except TimeoutError:
+                raise DHTError(f"no answer from the swarm within {config.timeout:g} s") from None
+            taken += 1
+            shown[:] = [*shown, text] if count is not None else [text]
+            if show is not None:
+                show(text)
+
+    async def main() -> None:
         dht_config = DHTNodeConfig(initial_peers=config.initial_peers, client_mode=True)
-        async with DHT(node_config=config.node, config=dht_config) as dht:
-            records = await read_progress(dht, config.run_id)
-            return records, await read_nat_records(dht, [r.peer_id for r in records])
-
-    async def bounded() -> tuple[list[PeerProgress], dict[PeerID, PeerRecord]]:
-        import asyncio  # noqa: PLC0415
-
         try:
-            async with asyncio.timeout(config.timeout):
-                return await read()
+            async with asyncio.timeout(config.timeout) as joining:
+                async with DHT(node_config=config.node, config=dht_config) as dht:
+                    joining.reschedule(None)  # joined: each reading has its own deadline
+                    await loop(dht)
         except TimeoutError:
             raise DHTError(f"no answer from the swarm within {config.timeout:g} s") from None
 
-    records, nat_records = run(bounded())
-    return format_status(
-        records,
-        run_id=config.run_id,
-        now=time.time(),
-        target_batch_size=None,
-        nat_records=nat_records,
-    )
+    run(main())
+    return shown

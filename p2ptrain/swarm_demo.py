@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -317,30 +317,37 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
         line = boot.wait_for_line("--join", _STARTUP_TIMEOUT)
         join = line.split("--join", 1)[1].strip()
         say(f"bootstrap peer {join}")
-        say(
-            f"starting {config.peers - 1} peers now and 1 after {config.late_delay:.0f} s; "
-            f"training {config.seconds:.0f} s, target batch {config.target} samples"
-        )
         early, late = runs[:-1], runs[-1]
+        say(
+            f"starting {len(early)} peers now; {late.name} joins {config.late_delay:.0f} s "
+            f"after they start training; training {config.seconds:.0f} s, "
+            f"target batch {config.target} samples"
+        )
         for run in early:
             run.launched = time.monotonic() - origin
             processes.append(_Process(_train_argv(config, run, join, config.seconds), run, origin))
         # The late peer starts a while after the first peers train, and is told
         # to stop (SIGTERM: a clean end with a summary) when they are done.
-        first_start = _wait_for_start(early, _STARTUP_TIMEOUT)
-        wait = first_start + config.late_delay - (time.monotonic() - origin)
-        if wait > 0:
-            time.sleep(wait)
+        first_start = _wait_for_start(processes, _STARTUP_TIMEOUT)
+        live = _LiveLine(out, runs, origin)
+        live.until(lambda: time.monotonic() - origin >= first_start + config.late_delay)
         late.launched = time.monotonic() - origin
         late_process = _Process(
             _train_argv(config, late, join, config.seconds + _STARTUP_TIMEOUT), late, origin
         )
         processes.append(late_process)
-        say(f"{late.name} starts late at {late.launched:.0f} s")
-        limit = config.seconds + _STARTUP_TIMEOUT
+        live.say(f"{late.name} starts late at {late.launched:.0f} s")
+        deadline = origin + first_start + config.seconds + _STARTUP_TIMEOUT
+        live.until(
+            lambda: (
+                all(p.process.poll() is not None for p in processes[:-1])
+                or time.monotonic() > deadline
+            )
+        )
+        live.done()
         for process in processes[:-1]:
             assert process.run is not None
-            process.run.returncode = process.wait(max(1.0, limit - (time.monotonic() - origin)))
+            process.run.returncode = process.wait(max(1.0, deadline - time.monotonic()))
         late_process.process.terminate()
         late.returncode = late_process.wait(30.0)
     finally:
@@ -360,14 +367,98 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
     return result
 
 
-def _wait_for_start(runs: Sequence[PeerRun], timeout: float) -> float:
+def _wait_for_start(processes: Sequence[_Process], timeout: float) -> float:
+    """When the first peer started training; fails with each peer's own error line."""
+    runs = [p.run for p in processes if p.run is not None]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         joined = [r.joined_at for r in runs if r.joined_at is not None]
         if joined:
             return min(joined)
+        if all(p.process.poll() is not None for p in processes):
+            break
         time.sleep(0.1)  # polls data gathered by the reader threads
-    raise ConfigError("no demo peer started training in time")
+    for process in processes:
+        process.wait(5)  # the reader threads have the whole stderr
+    errors = [
+        f"{r.name}: {r.stderr[-1] if r.stderr else 'no error output'}"
+        for r in runs
+        if r.joined_at is None
+    ]
+    why = "exited" if time.monotonic() < deadline else f"did not start in {timeout:.0f} s"
+    raise ConfigError(f"no demo peer started training (they {why}): " + "; ".join(errors))
+
+
+class _LiveLine:
+    """The demo's live line (peers, global step, loss, samples/s) while the peers train.
+
+    On a terminal it is redrawn in place every second; otherwise a line is
+    printed every 10 s, so that logs stay short.
+    """
+
+    def __init__(self, out: TextIO | None, runs: Sequence[PeerRun], origin: float) -> None:
+        self.out = out
+        self.runs = runs
+        self.origin = origin
+        self.tty = bool(out is not None and out.isatty())
+        self.interval = 1.0 if self.tty else 10.0
+        self._next = time.monotonic()
+        self._drawn = False
+
+    def text(self) -> str | None:
+        """The line, from each running peer's latest progress event; None before any."""
+        latest = [
+            next((e for e in reversed(r.events) if e.get("event") == "progress"), None)
+            for r in self.runs
+            if r.first("end") is None
+        ]
+        events = [e for e in latest if e is not None]
+        if not events:
+            return None
+        losses = [float(e["loss"]) for e in events if isinstance(e.get("loss"), int | float)]
+        loss = f"{sum(losses) / len(losses):.4f}" if losses else "-"
+        rate = sum(float(e.get("samples_per_s") or 0.0) for e in events)
+        step = max(int(e.get("swarm_step") or 0) for e in events)
+        online = max(int(e.get("peers_online") or 0) for e in events)
+        elapsed = time.monotonic() - self.origin
+        return (
+            f"[{elapsed:5.0f}s] peers {len(events)} training ({online} online) | "
+            f"global step {step} | loss {loss} | {rate:.1f} samples/s"
+        )
+
+    def until(self, condition: Callable[[], bool]) -> None:
+        """Show the line until ``condition()`` holds (checked every 0.1 s)."""
+        while not condition():
+            if time.monotonic() >= self._next:
+                self._next = time.monotonic() + self.interval
+                self._show()
+            time.sleep(0.1)  # the peers' events arrive through the reader threads
+
+    def _show(self) -> None:
+        text = self.text()
+        if self.out is None or text is None:
+            return
+        if self.tty:
+            self.out.write("\r\x1b[K" + text)
+            self._drawn = True
+        else:
+            self.out.write(text + "\n")
+        self.out.flush()
+
+    def say(self, text: str) -> None:
+        """Print an event line (below the live line on a terminal)."""
+        if self.out is None:
+            return
+        self.out.write(("\r\x1b[K" if self._drawn else "") + text + "\n")
+        self._drawn = False
+        self.out.flush()
+
+    def done(self) -> None:
+        """End the live line (a newline on a terminal)."""
+        if self.out is not None and self._drawn:
+            self.out.write("\n")
+            self.out.flush()
+            self._drawn = False
 
 
 def _save_logs(runs: Sequence[PeerRun], directory: Path) -> None:

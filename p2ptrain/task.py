@@ -51,9 +51,9 @@ from p2ptrain.errors import ConfigError
 
 __all__ = ["CHARLM", "TrainingTask", "load_task", "lr_schedule"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CHARLM = "examples.charlm.task"
-"""The default task: the character-level transformer of ``examples/charlm``."""
+CHARLM = "p2ptrain.examples.charlm.task"
+"""The default task: the character-level transformer of :mod:`p2ptrain.examples.charlm`
+(shipped inside the package with its data)."""
 
 
 class TrainingTask(Protocol):
@@ -120,14 +120,6 @@ def lr_schedule(task: TrainingTask) -> Callable[[int], None]:
 def _import(spec: str) -> ModuleType:
     if spec.endswith(".py") or "/" in spec:
         return _import_file(Path(spec))
-    if spec == CHARLM:
-        if not (REPO_ROOT / "examples" / "charlm" / "task.py").is_file():
-            raise ConfigError(
-                f"the charlm example was not found under {REPO_ROOT / 'examples'} "
-                "(the default task needs a source checkout; pass --task)"
-            )
-        if str(REPO_ROOT) not in sys.path:
-            sys.path.insert(0, str(REPO_ROOT))
     try:
         return importlib.import_module(spec)
     except ImportError as exc:

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # plain `pytest` puts only tests/ on the path
-    sys.path.insert(0, str(ROOT))
-
-from examples.charlm.data import (  # noqa: E402
+from p2ptrain.examples.charlm.data import (
     DATA_FILE,
     TEXT_SHA256,
     BatchSampler,
@@ -24,7 +19,7 @@ from examples.charlm.data import (  # noqa: E402
     load_corpus,
     load_text,
 )
-from examples.charlm.model import (  # noqa: E402
+from p2ptrain.examples.charlm.model import (
     ModelConfig,
     evaluate,
     generate,
@@ -32,7 +27,7 @@ from examples.charlm.model import (  # noqa: E402
     make_model,
     make_optimizer,
 )
-from examples.charlm.train_single import TrainConfig, lr_at, train  # noqa: E402
+from p2ptrain.examples.charlm.train_single import TrainConfig, lr_at, train
 
 KJV_CHARS = "\n !'(),-.0123456789:;?ABCDEFGHIJKLMNOPQRSTUVWYZabcdefghijklmnopqrstuvwxyz"
 TINY = ModelConfig(vocab_size=len(KJV_CHARS), context=32, d_model=32, n_layers=1, n_heads=2)
@@ -331,7 +326,7 @@ def test_trainer_config_is_validated() -> None:
 
 
 def test_command_line_run(capsys: pytest.CaptureFixture[str]) -> None:
-    from examples.charlm.train_single import main
+    from p2ptrain.examples.charlm.train_single import main
 
     flags = {
         "steps": 4,
@@ -355,7 +350,7 @@ def test_command_line_run(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_package_exports() -> None:
-    from examples import charlm
+    from p2ptrain.examples import charlm
 
     assert sorted(charlm.__all__) == [
         "BatchSampler",

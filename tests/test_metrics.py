@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +19,11 @@ from p2ptrain.allreduce.group import GroupMember, GroupPlan
 from p2ptrain.allreduce.report import AllReduceReport, ShardReport
 from p2ptrain.cli import _ConsoleHandler
 from p2ptrain.dht import DHT, DHTNodeConfig
-from p2ptrain.errors import ConfigError, LookupFailedError
+from p2ptrain.errors import ConfigError, ConnectError, LookupFailedError
 from p2ptrain.identity import Identity
 from p2ptrain.metrics import (
     HELP,
+    RENAMED,
     JsonLinesWriter,
     Metrics,
     MetricsServer,
@@ -39,68 +41,90 @@ from p2ptrain.train.round_stats import RoundStats
 
 def filled() -> Metrics:
     metrics = Metrics()
-    metrics.inc("bytes_sent_total", 1000, {"path": "tcp-direct"})
-    metrics.inc("bytes_sent_total", 24, {"path": "tcp-direct"})
-    metrics.set("samples_per_second", 12.5)
-    for seconds in (0.1, 0.2, 0.3, 0.4):
-        metrics.observe("allreduce_seconds", seconds)
-    metrics.add_collector(lambda: [Sample("peers_online", 3)])
+    metrics.inc("p2ptrain_bytes_sent_total", 1000, {"path": "tcp-direct"})
+    metrics.inc("p2ptrain_bytes_sent_total", 24, {"path": "tcp-direct"})
+    metrics.set("p2ptrain_samples_per_second", 12.5)
+    for seconds in (0.1, 0.2, 0.3, 4.0):
+        metrics.observe("p2ptrain_test_seconds", seconds)
+    metrics.add_collector(lambda: [Sample("p2ptrain_peers_online", 3)])
     return metrics
 
 
 def test_values_and_snapshot() -> None:
     metrics = filled()
-    assert metrics.counter("bytes_sent_total", {"path": "tcp-direct"}) == 1024
+    assert metrics.counter("p2ptrain_bytes_sent_total", {"path": "tcp-direct"}) == 1024
     values = metrics.snapshot()["metrics"]
-    assert values['bytes_sent_total{path="tcp-direct"}'] == 1024
-    assert values["samples_per_second"] == 12.5
-    assert values["allreduce_seconds_count"] == 4
-    assert values["allreduce_seconds_sum"] == pytest.approx(1.0)
-    assert values['allreduce_seconds{quantile="0.5"}'] == 0.3
-    assert values["peers_online"] == 3
+    assert values['p2ptrain_bytes_sent_total{path="tcp-direct"}'] == 1024
+    assert values["p2ptrain_samples_per_second"] == 12.5
+    assert values["p2ptrain_test_seconds_count"] == 4
+    assert values["p2ptrain_test_seconds_sum"] == pytest.approx(4.6)
+    assert values['p2ptrain_test_seconds_bucket{le="0.25"}'] == 2
+    assert values['p2ptrain_test_seconds_bucket{le="5.0"}'] == 4
+    assert values['p2ptrain_test_seconds_bucket{le="+Inf"}'] == 4
+    assert values["p2ptrain_peers_online"] == 3
+    assert values["p2ptrain_process_resident_memory_bytes"] > 0  # process metrics
+    assert not any(name.endswith("_created") for name in values)
 
 
-def test_bad_names_and_negative_counters() -> None:
+def test_names_need_the_prefix_and_counters_only_go_up() -> None:
     metrics = Metrics()
+    for bad in ("has space_total", "train_samples_total", "p2ptrain_x-y_total"):
+        with pytest.raises(ConfigError, match="bad metric name"):
+            metrics.inc(bad)
     with pytest.raises(ConfigError):
-        metrics.inc("has space")
-    with pytest.raises(ConfigError):
-        metrics.inc("x", -1)
+        metrics.inc("p2ptrain_x_total", -1)
+    with pytest.raises(ConfigError, match="_total"):
+        metrics.inc("p2ptrain_x")
+    metrics.inc("p2ptrain_x_total", labels={"a": "1"})
+    with pytest.raises(ConfigError, match="labels"):
+        metrics.inc("p2ptrain_x_total", labels={"b": "1"})
+    with pytest.raises(ConfigError, match="counter"):
+        metrics.set("p2ptrain_x_total", 1)
+    metrics.add_collector(lambda: [Sample("unprefixed", 1)])
+    with pytest.raises(ConfigError, match="bad metric name"):
+        metrics.prometheus_text()
 
 
 def test_prometheus_text_format() -> None:
     text = filled().prometheus_text()
     lines = text.splitlines()
-    assert "# TYPE bytes_sent_total counter" in lines
-    assert 'bytes_sent_total{path="tcp-direct"} 1024.0' in lines
-    assert "# TYPE allreduce_seconds summary" in lines
-    assert 'allreduce_seconds{quantile="0.99"} 0.4' in lines
-    assert "allreduce_seconds_count 4.0" in lines
-    # Every non-comment line is "series value".
-    for line in lines:
-        if not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            float(value)
-            assert series
+    assert "# TYPE p2ptrain_bytes_sent_total counter" in lines
+    assert 'p2ptrain_bytes_sent_total{path="tcp-direct"} 1024.0' in lines
+    assert "# TYPE p2ptrain_test_seconds histogram" in lines
+    assert 'p2ptrain_test_seconds_bucket{le="0.5"} 3.0' in lines
+    assert "p2ptrain_test_seconds_count 4.0" in lines
+    series = parse_prometheus(text)
+    assert all(name.startswith("p2ptrain_") for name, _ in series)
 
 
 async def test_metrics_server_serves_over_http() -> None:
     server = MetricsServer(filled())
     await server.start()
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        response = await asyncio.wait_for(reader.read(), 5)
-        writer.close()
-        head, body = response.split(b"\r\n\r\n", 1)
-        assert head.startswith(b"HTTP/1.1 200 OK")
-        assert b"samples_per_second 12.5" in body
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET /other HTTP/1.1\r\n\r\n")
-        assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 404")
-        writer.close()
+        body = await asyncio.to_thread(_get, f"http://127.0.0.1:{server.port}/metrics")
+        assert "p2ptrain_samples_per_second 12.5" in body
+        assert "p2ptrain_process_cpu_seconds_total" in body
+        parse_prometheus(body)
     finally:
         await server.aclose()
+    with pytest.raises(OSError):
+        await asyncio.to_thread(_get, f"http://127.0.0.1:{server.port}/metrics")
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        return str(response.read().decode())
+
+
+async def test_a_metrics_port_in_use_is_a_clear_error() -> None:
+    first = MetricsServer(Metrics())
+    await first.start()
+    try:
+        with pytest.raises(ConnectError, match="cannot serve metrics"):
+            await MetricsServer(Metrics(), port=first.port).start()
+    finally:
+        await first.aclose()
 
 
 async def test_json_lines_writer(tmp_path: Path) -> None:
@@ -108,10 +132,12 @@ async def test_json_lines_writer(tmp_path: Path) -> None:
     metrics = filled()
     writer = JsonLinesWriter(metrics, path, interval=3600)
     await writer.start()
-    metrics.inc("rounds_total")
+    metrics.inc("p2ptrain_rounds_total")
     await writer.aclose()  # writes a final line
     (line,) = path.read_text().splitlines()
-    assert json.loads(line)["metrics"]["rounds_total"] == 1
+    values = json.loads(line)["metrics"]
+    assert values["p2ptrain_rounds_total"] == 1
+    assert values["p2ptrain_test_seconds_count"] == 4  # the same registry as the scrape
 
 
 async def test_node_collector_reports_bytes_per_path() -> None:
@@ -200,8 +226,14 @@ def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
         assert match, f"bad sample line {line!r}"
         name, labels, value = match.group(1), match.group(2) or "", match.group(3)
         assert current is not None, line
-        suffixes = ("", "_count", "_sum") if kinds.get(current) == "summary" else ("",)
-        assert any(name == current + s for s in suffixes), f"{name} outside family {current}"
+        kind = kinds.get(current)
+        family = current.removesuffix("_total") if kind == "counter" else current
+        suffixes = {
+            "summary": ("", "_count", "_sum", "_created"),
+            "histogram": ("_bucket", "_count", "_sum", "_created"),
+            "counter": ("_total", "_created"),
+        }.get(kind or "", ("",))
+        assert any(name == family + s for s in suffixes), f"{name} outside family {current}"
         sampled.add(current)
         key = (name, _labels(labels))
         assert key not in series, f"repeated series {line!r}"
@@ -213,33 +245,64 @@ def test_prometheus_text_parses_with_help_and_escaped_labels() -> None:
     metrics = filled()
     tricky = 'a "quoted" \\ back\nslash'
     metrics.inc("p2ptrain_dht_requests_total", 2, {"method": tricky})
-    metrics.describe("bytes_sent_total", 'bytes, with a \\ and a\nnewline "as is"')
+    metrics.describe("p2ptrain_described_total", 'bytes, with a \\ and a\nnewline "as is"')
+    metrics.inc("p2ptrain_described_total")
     text = metrics.prometheus_text()
     series = parse_prometheus(text)
     assert series[("p2ptrain_dht_requests_total", (("method", tricky),))] == 2
-    assert series[("allreduce_seconds", (("quantile", "0.5"),))] == 0.3
+    assert series[("p2ptrain_test_seconds_bucket", (("le", "0.25"),))] == 2
     assert "# HELP p2ptrain_dht_requests_total DHT requests sent, by method." in text
-    assert '# HELP bytes_sent_total bytes, with a \\\\ and a\\nnewline "as is"' in text
+    assert '# HELP p2ptrain_described_total bytes, with a \\\\ and a\\nnewline "as is"' in text
     with pytest.raises(ConfigError):
-        metrics.inc("x_total", labels={"bad-label": "v"})
+        metrics.inc("p2ptrain_x_total", labels={"bad-label": "v"})
 
 
-def test_families_stay_contiguous_and_shared_collectors_add_up() -> None:
-    metrics = Metrics()
-    metrics.observe("t_seconds", 1.0)
-    metrics.set("t_seconds_last", 2.0)  # sorts between t_seconds and t_seconds_sum
+def test_collected_histograms_are_cumulative_and_shared_ones_add_up() -> None:
+    from p2ptrain.metrics import histogram_samples
+
+    metrics = Metrics(process=False)
     for _ in range(2):  # two peers sharing one registry
-        metrics.add_collector(lambda: [Sample("c_total", 3, {"k": "v"}, "counter"), Sample("g", 5)])
-    series = parse_prometheus(metrics.prometheus_text())
-    assert series[("c_total", (("k", "v"),))] == 6
-    assert series[("g", ())] == 5
-    assert series[("t_seconds_sum", ())] == 1.0
+        metrics.add_collector(
+            lambda: histogram_samples("p2ptrain_h_seconds", (0.1, 1.0), [2, 0, 1], 5.3, {"m": "x"})
+        )
+    text = metrics.prometheus_text()
+    assert "# TYPE p2ptrain_h_seconds histogram" in text
+    series = parse_prometheus(text)
+    assert series[("p2ptrain_h_seconds_bucket", (("le", "0.1"), ("m", "x")))] == 4
+    assert series[("p2ptrain_h_seconds_bucket", (("le", "1.0"), ("m", "x")))] == 4
+    assert series[("p2ptrain_h_seconds_bucket", (("le", "+Inf"), ("m", "x")))] == 6
+    assert series[("p2ptrain_h_seconds_count", (("m", "x"),))] == 6
+    assert series[("p2ptrain_h_seconds_sum", (("m", "x"),))] == pytest.approx(10.6)
 
 
-def test_observability_doc_lists_every_metric() -> None:
+def test_shared_collectors_add_up_and_count_sum_pairs_are_summaries() -> None:
+    metrics = Metrics(process=False)
+    for _ in range(2):  # two peers sharing one registry
+        metrics.add_collector(
+            lambda: [
+                Sample("p2ptrain_c_total", 3, {"k": "v"}, "counter"),
+                Sample("p2ptrain_g", 5),
+                Sample("p2ptrain_t_seconds_count", 2, {}, "counter"),
+                Sample("p2ptrain_t_seconds_sum", 0.5, {}, "counter"),
+            ]
+        )
+    text = metrics.prometheus_text()
+    series = parse_prometheus(text)
+    assert series[("p2ptrain_c_total", (("k", "v"),))] == 6
+    assert series[("p2ptrain_g", ())] == 5
+    assert series[("p2ptrain_t_seconds_count", ())] == 4
+    assert series[("p2ptrain_t_seconds_sum", ())] == 1.0
+    assert "# TYPE p2ptrain_t_seconds summary" in text
+    assert "process" not in text
+
+
+def test_observability_doc_lists_every_metric_and_rename() -> None:
     doc = (Path(__file__).parent.parent / "docs" / "observability.md").read_text()
     missing = [name for name in HELP if f"`{name}" not in doc]
     assert not missing, missing
+    renames = [f"`{old}` | `{new}`" for old, new in RENAMED.items()]
+    assert all(rename in doc for rename in renames), [r for r in renames if r not in doc]
+    assert all(name.startswith("p2ptrain_") for name in [*HELP, *RENAMED.values()])
 
 
 # -- round figures, without a network ---------------------------------------------------------
@@ -279,7 +342,6 @@ def test_round_stats_count_rounds_failures_and_dropped_peers() -> None:
     metrics.add_collector(allreduce_collector(stats))
     values = metrics.snapshot()["metrics"]
     assert values['p2ptrain_allreduce_rounds_total{result="complete"}'] == 1
-    assert values["p2ptrain_allreduce_seconds_sum"] == 0.5
     assert values["p2ptrain_allreduce_predicted_seconds_sum"] == 0.25
     assert values["p2ptrain_allreduce_last_group_size"] == 3
     assert values["p2ptrain_allreduce_peers_dropped_total"] == 2
@@ -314,7 +376,12 @@ async def test_dht_requests_to_a_dead_peer_count_as_failures() -> None:
         metrics.add_collector(dht_collector(second.dht_node))
         answered = metrics.snapshot()["metrics"]
         assert answered['p2ptrain_dht_requests_total{method="dht.ping"}'] >= 1
-        assert answered['p2ptrain_dht_response_seconds_count{method="dht.ping"}'] >= 1
+        pings = answered['p2ptrain_dht_response_seconds_count{method="dht.ping"}']
+        assert pings >= 1
+        assert (
+            answered['p2ptrain_dht_response_seconds_bucket{le="+Inf",method="dht.ping"}'] == pings
+        )
+        assert "# TYPE p2ptrain_dht_response_seconds histogram" in metrics.prometheus_text()
         assert answered["p2ptrain_dht_peers_known"] == 1
         assert first.dht_node.stats.served.get("dht.ping", 0) >= 1
         await first.aclose()
@@ -341,7 +408,7 @@ class RealRun:
 
 class _Records(logging.Handler):
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -357,7 +424,7 @@ def real_run() -> Iterator[RealRun]:
     package = logging.getLogger("p2ptrain")
     handler, level = _Records(), package.level
     package.addHandler(handler)
-    package.setLevel(logging.INFO)
+    package.setLevel(logging.DEBUG)
     peers = start_peers(3)
     try:
         registries = [Metrics() for _ in peers]
@@ -400,21 +467,24 @@ def test_a_real_run_fills_the_metrics(real_run: RealRun) -> None:
         assert values['p2ptrain_dht_requests_total{method="dht.find"}'] > 0
         assert values['p2ptrain_dht_response_seconds_sum{method="dht.find"}'] > 0
         assert values['p2ptrain_allreduce_rounds_total{result="complete"}'] == 2
-        assert values["p2ptrain_allreduce_seconds_count"] == 2
+        assert values["p2ptrain_allreduce_seconds_count"] == 2  # a histogram
+        assert values['p2ptrain_allreduce_seconds_bucket{le="+Inf"}'] == 2
         assert values["p2ptrain_allreduce_seconds_sum"] > 0
         assert values["p2ptrain_allreduce_predicted_seconds_count"] == 2
         assert values["p2ptrain_allreduce_last_predicted_seconds"] > 0
         assert values["p2ptrain_allreduce_last_seconds"] > 0
         assert values["p2ptrain_allreduce_last_group_size"] == 3
         assert values["p2ptrain_allreduce_bytes_sent_total"] > 0
-        assert values["train_global_step"] == 2
-        assert values["train_samples_per_s"] > 0
+        assert values["p2ptrain_train_global_step"] == 2
+        assert values["p2ptrain_train_samples_per_s"] > 0
         assert values['p2ptrain_path_bytes_sent_total{path="tcp-direct"}'] > 0
         text = metrics.prometheus_text()
         series = parse_prometheus(text)
         assert series[("p2ptrain_allreduce_seconds_count", ())] == 2
         families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
-        assert families <= set(HELP), families - set(HELP)
+        ours = {f for f in families if not f.startswith("p2ptrain_process_")}
+        assert ours <= set(HELP), ours - set(HELP)
+        assert all(family.startswith("p2ptrain_") for family in families), families
         json.dumps(metrics.snapshot(), allow_nan=False)  # strict JSON
 
 
@@ -425,9 +495,13 @@ def test_a_real_run_logs_its_notable_events(real_run: RealRun) -> None:
     groups = [m for m in infos if m.startswith("found a group of 3 for observed/step-0: ")]
     assert len(groups) == 3 and all(pid in groups[0] for pid in real_run.peer_ids), groups
     assert not any(m.startswith("found a group of 3 for observed/step-1") for m in infos)
-    averaged = [m for m in infos if re.match(r"step \d: averaged in a group of 3 in ", m)]
+    assert sum(m.startswith("training run 'observed' at global step 0: ") for m in infos) == 3
+    # A complete round is routine: DEBUG, not one INFO line per step.
+    debugs = [r.getMessage() for r in real_run.records if r.levelno == logging.DEBUG]
+    averaged = [m for m in debugs if re.match(r"step \d: averaged in a group of 3 in ", m)]
     assert len(averaged) == 3 * 2, averaged
     assert all(re.search(r"\(predicted \d[\d.e-]* s\); sent \d", m) for m in averaged)
+    assert not any("averaged in a group" in m for m in infos)
     assert not any(m.startswith("global step advanced") for m in infos)  # one line per step
     assert not any("dht.find" in m or "dht.ping" in m for m in infos)  # per-RPC stays DEBUG
 
@@ -443,7 +517,7 @@ def test_an_averaged_round_names_its_dropped_peers(caplog: pytest.LogCaptureFixt
         members=tuple(GroupMember(m, LOOPBACK) for m in outcome.report.members),
         boundaries=(0, 4, 4, 4),
     )
-    with caplog.at_level(logging.INFO, logger="p2ptrain"):
+    with caplog.at_level(logging.DEBUG, logger="p2ptrain"):
         _log_round(outcome, plan)
     messages = [r.getMessage() for r in caplog.records]
     assert messages[0].startswith("step 7: averaged in a group of 3 in 0.5 s (predicted 0.25 s)")

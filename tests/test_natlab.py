@@ -481,7 +481,7 @@ def test_shim_drops_about_the_configured_fraction(natlab: NatLab, upload: bool) 
 
 @netns
 def test_teardown_leaves_nothing_even_after_an_error() -> None:
-    require_netns()
+    require_netns(turn=False)
     config = LabConfig(homes=(HomeConfig("x", delay_ms=1.0),), public_hosts=("srv",), turn=False)
     lab = NatLab(config)
     with pytest.raises(RuntimeError, match="boom"), lab:
@@ -503,7 +503,7 @@ def test_teardown_leaves_nothing_even_after_an_error() -> None:
 
 @netns
 def test_cleanup_stale_labs_spares_live_runs() -> None:
-    require_netns()
+    require_netns(turn=False)
     prefix = f"t{secrets.token_hex(3)}"  # private to this run
     finished = subprocess.Popen(["true"])
     finished.wait()

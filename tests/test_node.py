@@ -180,3 +180,18 @@ async def test_dialing_from_the_listening_port(make_node: NodeFactory) -> None:
     reply = await conn.call("where", timeout=5)
     assert reply.body == f"127.0.0.1:{a.address.port}"
     assert a.connection_to(b.peer_id) is conn
+
+
+def test_reuse_port_only_where_the_platform_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from p2ptrain.nat.config import NATConfig
+    from p2ptrain.node.config import NodeConfig
+
+    assert NATConfig().holepunch is hasattr(socket, "SO_REUSEPORT")
+    monkeypatch.delattr(socket, "SO_REUSEPORT", raising=False)  # a platform without it
+    assert NATConfig().holepunch is False  # the default follows the platform
+    with pytest.raises(ConfigError, match="SO_REUSEPORT"):
+        NATConfig(holepunch=True)
+    with pytest.raises(ConfigError, match="SO_REUSEPORT"):
+        NodeConfig(reuse_port=True)

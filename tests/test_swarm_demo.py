@@ -77,3 +77,20 @@ def test_without_matplotlib_the_demo_skips_its_plot_and_says_how_to_get_it(
     assert not (tmp_path / "loss.png").exists()
     result = SwarmDemoResult(runs=(run,), png=None, wall_s=1.0, png_note="skipped: no plot")
     assert "loss plot: skipped: no plot" in format_summary(result, SwarmDemoConfig(peers=2))
+
+
+def test_a_peer_that_fails_before_training_shows_its_own_error_line() -> None:
+    from p2ptrain.swarm_demo import _Process, _wait_for_start
+
+    runs = [PeerRun(name=f"peer-{i}", upload_mbit=1, download_mbit=1, late=False) for i in (0, 1)]
+    code = "import sys; print('p2ptrain train: error: port {} in use', file=sys.stderr); exit(2)"
+    processes = [
+        _Process([sys.executable, "-c", code.replace("{}", str(i))], run, 0.0)
+        for i, run in enumerate(runs)
+    ]
+    with pytest.raises(ConfigError) as failure:
+        _wait_for_start(processes, timeout=60)
+    message = str(failure.value)
+    assert "they exited" in message, message
+    assert "peer-0: p2ptrain train: error: port 0 in use" in message, message
+    assert "peer-1: p2ptrain train: error: port 1 in use" in message, message

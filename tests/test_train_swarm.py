@@ -137,9 +137,9 @@ def test_four_peers_match_one_process_with_the_combined_batch(swarm: list[Peer])
     for model in models:
         assert_same_parameters(model, single)
     # Three of the optimizers share one metrics registry.
-    assert metrics.counter("train_rounds_total", {"outcome": "group"}) == 3 * steps
-    assert metrics.counter("train_samples_total") == 3 * steps * BATCH
-    assert metrics.counter("train_allreduce_bytes_sent_total") == sum(
+    assert metrics.counter("p2ptrain_train_rounds_total", {"outcome": "group"}) == 3 * steps
+    assert metrics.counter("p2ptrain_train_samples_total") == 3 * steps * BATCH
+    assert metrics.counter("p2ptrain_allreduce_bytes_sent_total") == sum(
         o.stats.bytes_sent for o in opts[1:]
     )
 

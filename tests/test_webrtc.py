@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import socket
 import struct
@@ -49,11 +50,18 @@ from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.testing.conformance import Check, Side, SideRunner, run_check_split, run_side
 from p2ptrain.testing.natlab import NatLab
 from p2ptrain.testing.natlab_pytest import natlab_fixture
+from p2ptrain.transport import webrtc_connect as webrtc_connect_module
+from p2ptrain.transport import webrtc_sctp
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.transport.webrtc import CandidatePairInfo, WebRTCTransport
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
 from p2ptrain.transport.webrtc_connect import ice_sockets, webrtc_connect
-from p2ptrain.transport.webrtc_sctp import SctpTuner, SctpTuning, tune_association
+from p2ptrain.transport.webrtc_sctp import (
+    SctpTuner,
+    SctpTuning,
+    UnsupportedAiortcError,
+    tune_association,
+)
 from p2ptrain.transport.webrtc_signaling import (
     MAX_SIGNAL_BYTES,
     StreamSignalingChannel,
@@ -749,6 +757,36 @@ def test_symmetric_nat_goes_through_turn(natlab: NatLab) -> None:
 
 
 @netns
+def test_an_aiortc_without_the_patched_internals_still_connects_with_a_warning(
+    natlab: NatLab, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # This aiortc "lacks" an internal the SCTP tuning patches: it must fall back.
+    missing = "_internal_this_aiortc_lacks"
+    monkeypatch.setattr(webrtc_sctp, "_REQUIRED", (*webrtc_sctp._REQUIRED, missing))
+    monkeypatch.setattr(webrtc_connect_module, "_warned_stock", [])
+    results: dict[str, Any] = {}
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.transport.webrtc_connect"):
+        run_check_split(
+            rpc_check(4 * MiB, "webrtc-direct", results),
+            *webrtc_runners(natlab, "a", "b", stun_only(natlab), timeout=120),
+        )
+    assert results["MBps"] > 0  # connected and carried RPC (the sha256 is checked)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    stock = [m for m in warnings if "stock SCTP" in m]
+    assert len(stock) == 1 and missing in stock[0], warnings  # once per process
+
+
+def test_an_aiortc_version_outside_the_supported_range_is_refused_by_the_tuning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    low, high = webrtc_sctp.SUPPORTED_AIORTC
+    assert low <= webrtc_sctp.aiortc_version() < high  # what this machine runs
+    monkeypatch.setattr(webrtc_sctp, "aiortc_version", lambda: high)
+    with pytest.raises(UnsupportedAiortcError, match="outside the versions"):
+        tune_association(object(), SctpTuning())
+
+
+@netns
 def test_pair_details_and_socket_buffers(natlab: NatLab) -> None:
     seen: dict[str, Any] = {}
 
@@ -820,10 +858,12 @@ def test_public_names_are_pinned() -> None:
         "webrtc_connect",
     ]
     assert webrtc_sctp.__all__ == [
+        "SUPPORTED_AIORTC",
         "SctpStats",
         "SctpTuner",
         "SctpTuning",
         "UnsupportedAiortcError",
+        "aiortc_version",
         "tune_association",
     ]
     assert webrtc_signaling.__all__ == [

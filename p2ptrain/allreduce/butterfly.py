@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -175,6 +176,9 @@ class ButterflyRound:
         self._closed = False
         self._loop = asyncio.get_running_loop()
         self._start = self._loop.time()
+        # Durations come from perf_counter: uvloop's loop.time() has millisecond
+        # resolution, which made a fast round's total_s 0.0.
+        self._started = time.perf_counter()
         self._reduce_deadline = self._start + plan.reduce_timeout
         self._round_deadline = self._start + plan.round_timeout
         self._parts_sent_at = self._start
@@ -209,12 +213,13 @@ class ButterflyRound:
             if any(c is None for c in received):
                 self._fail_reducer(j, "round_timeout passed before every average arrived")
         end = self._loop.time()
+        total_s = time.perf_counter() - self._started
         if any(self._claimed_upto[j] > self._results_read[j] for j in self._received):
             # A result may still be landing in the output: hand out a copy.
             out, self.out = self.out, pooled_vector(self.plan.num_elements)
             self.out.copy_(out)
         self._keep_local_where_missing()
-        return self.out, self._report(end)
+        return self.out, self._report(end, total_s)
 
     # -- sender side -------------------------------------------------------------------
 
@@ -532,7 +537,7 @@ class ButterflyRound:
             for lo, hi in reducer.bounds[reducer.finalized :]:
                 self.out[start + lo : start + hi].copy_(self.flat[start + lo : start + hi])
 
-    def _report(self, end: float) -> AllReduceReport:
+    def _report(self, end: float, total_s: float) -> AllReduceReport:
         shards = []
         for j in self.plan.reducers():
             start, stop = self.plan.part(j)
@@ -566,7 +571,7 @@ class ButterflyRound:
             bytes_received=self.bytes_received,
             reduce_scatter_s=reduce_end - self._start,
             all_gather_s=max(end - reduce_end, 0.0),
-            total_s=end - self._start,
+            total_s=total_s,
             send_s=_span(self._send_span),
             receive_s=self._download_s or _span(self._recv_span),
             predicted_s=self.plan.predicted_time,

@@ -7,6 +7,8 @@ thread (a metrics snapshot) sees a slightly stale but consistent-enough view.
 
 from __future__ import annotations
 
+import bisect
+
 from p2ptrain.errors import (
     DeadlineExceededError,
     HandshakeError,
@@ -15,7 +17,10 @@ from p2ptrain.errors import (
     UnavailableError,
 )
 
-__all__ = ["FAILURE_REASONS", "RPCStats", "failure_reason"]
+__all__ = ["FAILURE_REASONS", "LATENCY_BUCKETS", "RPCStats", "failure_reason"]
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of the answer-latency histogram; a last bucket holds the rest."""
 
 FAILURE_REASONS = ("timeout", "unreachable", "error")
 """How a request can fail: no answer in time, no connection, anything else."""
@@ -38,6 +43,9 @@ class RPCStats:
             count here but neither as answered nor failed).
         answered: Requests answered with a valid reply, by method.
         answer_seconds: Sum of the answered requests' latencies, by method.
+        answer_buckets: Answers per latency bucket, by method: entry i counts
+            latencies in (``LATENCY_BUCKETS[i-1]``, ``LATENCY_BUCKETS[i]``],
+            the last entry those above the largest bound.
         failed: Failed requests, by ``(method, reason)``.
         served: Requests received from other peers, by method.
     """
@@ -46,6 +54,7 @@ class RPCStats:
         self.sent: dict[str, int] = {}
         self.answered: dict[str, int] = {}
         self.answer_seconds: dict[str, float] = {}
+        self.answer_buckets: dict[str, list[int]] = {}
         self.failed: dict[tuple[str, str], int] = {}
         self.served: dict[str, int] = {}
 
@@ -57,6 +66,8 @@ class RPCStats:
         """A valid reply arrived ``seconds`` after the request was started."""
         self.answered[method] = self.answered.get(method, 0) + 1
         self.answer_seconds[method] = self.answer_seconds.get(method, 0.0) + seconds
+        counts = self.answer_buckets.setdefault(method, [0] * (len(LATENCY_BUCKETS) + 1))
+        counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def on_failure(self, method: str, exc: BaseException) -> None:
         """The request failed with ``exc``."""

@@ -21,6 +21,7 @@ from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import Identity
+from p2ptrain.metrics import Metrics, bootstrap_collector, dht_collector, node_collector
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.service import NATService
 from p2ptrain.node.config import NodeConfig
@@ -68,6 +69,7 @@ async def run_bootstrap_peer(
     identity: Identity | None = None,
     announce: Callable[[BootstrapInfo], None] | None = None,
     stop: asyncio.Event | None = None,
+    metrics: Metrics | None = None,
 ) -> None:
     """Serve as a public bootstrap peer until ``stop`` is set (or the task is cancelled).
 
@@ -80,6 +82,8 @@ async def run_bootstrap_peer(
         identity: The key pair (keep it in a file so the address survives restarts).
         announce: Called once with :class:`BootstrapInfo` when everything serves.
         stop: Set it to shut down cleanly.
+        metrics: A registry to report into (connections and bytes, DHT
+            requests, STUN answers, relay circuits and bytes), or None.
 
     Raises:
         ConfigError: The announced host is unspecified (``0.0.0.0``).
@@ -99,6 +103,10 @@ async def run_bootstrap_peer(
             )
             async with nat:
                 node.set_router(nat.router)
+                if metrics is not None:
+                    metrics.add_collector(node_collector(node))
+                    metrics.add_collector(dht_collector(dht.dht_node))
+                    metrics.add_collector(bootstrap_collector(nat))
                 stun = nat.stun
                 info = BootstrapInfo(
                     address=str(node.address),

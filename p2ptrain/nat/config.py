@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.node.address import PeerAddress
+from p2ptrain.node.config import reuse_port_available
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
 
 __all__ = ["ATTEMPTS", "NATConfig", "RelayLimits", "ice_server_from_url"]
@@ -106,6 +107,8 @@ class NATConfig:
         stun_timeout: Seconds one STUN query may take (with retransmissions).
         dialback_timeout: Seconds a public peer tries to dial a caller back.
         holepunch: Try TCP hole punching (simultaneous open) between NATs.
+            It needs ``SO_REUSEPORT``: on by default where the platform has
+            it (Linux, macOS), off elsewhere (Windows).
         webrtc: ICE servers (STUN, TURN), the ICE deadline
             (``connect_timeout``) and data-channel tuning. Without a STUN
             server of its own, a peer uses its rendezvous point's responder.
@@ -140,7 +143,7 @@ class NATConfig:
     stun_servers: tuple[str, ...] = ()
     stun_timeout: float = 2.0
     dialback_timeout: float = 3.0
-    holepunch: bool = True
+    holepunch: bool = field(default_factory=reuse_port_available)
     webrtc: WebRTCConfig = field(default_factory=_default_webrtc)
     relay: bool = False
     relay_limits: RelayLimits = field(default_factory=RelayLimits)
@@ -163,6 +166,8 @@ class NATConfig:
         for name in ("serve_rendezvous", "holepunch", "relay", "use_relays"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"NATConfig.{name} must be a bool")
+        if self.holepunch and not reuse_port_available():
+            raise ConfigError("NATConfig.holepunch needs SO_REUSEPORT, which this platform lacks")
         if isinstance(self.rendezvous, str) or isinstance(self.stun_servers, str):
             raise ConfigError("NATConfig.rendezvous and stun_servers are sequences, not strings")
         object.__setattr__(self, "rendezvous", tuple(self.rendezvous))

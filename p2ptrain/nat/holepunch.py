@@ -54,6 +54,7 @@ from p2ptrain.errors import ConnectError, TransportTimeoutError
 from p2ptrain.identity import PeerID
 from p2ptrain.nat.signaling import CircuitSignaling
 from p2ptrain.node.address import PeerAddress
+from p2ptrain.node.config import reuse_port_available
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.transport.tcp import TCPTransport
@@ -77,7 +78,8 @@ async def start_node(node: Node) -> None:
     """Start ``node`` with a listener that shares its port (``NodeConfig.reuse_port``).
 
     Equivalent to building the node with ``NodeConfig(reuse_port=True)`` and
-    calling :meth:`Node.start`.
+    calling :meth:`Node.start`; a plain start where the platform has no
+    ``SO_REUSEPORT`` (Windows: no hole punching there).
 
     Raises:
         RuntimeError: The node is already started.
@@ -85,7 +87,7 @@ async def start_node(node: Node) -> None:
     """
     if node.listening:
         raise RuntimeError("start_node() replaces node.start(): the node is already started")
-    if not node.config.reuse_port:
+    if not node.config.reuse_port and reuse_port_available():
         node.config = dataclasses.replace(node.config, reuse_port=True)
     await node.start()
 

@@ -170,6 +170,7 @@ class RelayLimiter:
         self.total = TokenBucket(limits.total_bytes_per_s, limits.total_burst_bytes, now)
         self.relayed_bytes = 0
         self.refused = 0
+        self.opened = 0
         self._circuits: set[CircuitBudget] = set()
 
     @property
@@ -190,6 +191,7 @@ class RelayLimiter:
             )
         budget = CircuitBudget(self, (source, target), now)
         self._circuits.add(budget)
+        self.opened += 1
         return budget
 
     def _release(self, budget: CircuitBudget) -> None:

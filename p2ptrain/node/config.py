@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.handshake import AdmissionPolicy
 from p2ptrain.rpc.config import ConnectionConfig
 
-__all__ = ["NodeConfig"]
+__all__ = ["NodeConfig", "reuse_port_available"]
+
+
+def reuse_port_available() -> bool:
+    """Whether this platform has ``SO_REUSEPORT`` (Linux, macOS, BSDs; not Windows)."""
+    return hasattr(socket, "SO_REUSEPORT")
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,8 @@ class NodeConfig:
         connection: limits and timings of every connection.
         dial_timeout: seconds to open a TCP connection.
         reuse_port: listen with SO_REUSEPORT, so outgoing connections can be
-            opened from the listening port (TCP hole punching needs it).
+            opened from the listening port (TCP hole punching needs it);
+            only where the platform has it (:func:`reuse_port_available`).
         insecure_plaintext: leave frames after the handshake unencrypted and
             unauthenticated, for a trusted cluster (every peer must set it;
             others refuse). Off by default; see docs/security.md.
@@ -47,3 +54,5 @@ class NodeConfig:
             raise ConfigError("swarm must be a name of 1 to 256 bytes (UTF-8)")
         if not self.dial_timeout > 0:
             raise ConfigError("dial_timeout must be positive")
+        if self.reuse_port and not reuse_port_available():
+            raise ConfigError("reuse_port needs SO_REUSEPORT, which this platform lacks")

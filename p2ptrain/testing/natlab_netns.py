@@ -37,6 +37,7 @@ __all__ = [
     "cleanup_stale_labs",
     "delete_netns",
     "kill_netns_processes",
+    "lab_unavailable",
     "list_netns",
     "missing_tools",
     "netns_argv",
@@ -304,6 +305,19 @@ _TOOL_PACKAGES = {
     "sysctl": "procps",
     "turnserver": "coturn",
 }
+
+
+def lab_unavailable(*, turn: bool = True) -> str | None:
+    """Why the NAT lab (with coturn when ``turn``) cannot be built here, or None.
+
+    Unlike :func:`unavailable_reason` this counts a missing tool too: what a
+    test or benchmark that can do without the lab checks before skipping it.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    missing = missing_tools(turn=turn)
+    return "missing " + ", ".join(missing) if missing else None
 
 
 def missing_tools(*, turn: bool) -> list[str]:

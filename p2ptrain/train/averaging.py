@@ -243,13 +243,18 @@ class SwarmAverager:
 
 
 def _log_round(outcome: RoundOutcome, plan: GroupPlan) -> None:
-    """One line for the round (a warning if incomplete), one per dropped member."""
+    """One line for the round, one per dropped member.
+
+    A complete round is routine (DEBUG: one line per step would scroll the
+    progress display); an incomplete one is a WARNING; a dropped member is an
+    event (INFO).
+    """
     report = outcome.report
     if report is None:
         return
     predicted = "none" if report.predicted_s is None else _seconds(report.predicted_s)
     logger.log(
-        logging.INFO if report.complete else logging.WARNING,
+        logging.DEBUG if report.complete else logging.WARNING,
         "step %d: averaged%s in a group of %d in %s (predicted %s); sent %s, received %s",
         outcome.step,
         "" if report.complete else " only partly",

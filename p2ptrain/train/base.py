@@ -281,7 +281,9 @@ class SwarmTrainer(ABC):
         step = self._step
         averaged, outcome = collab.average(step, vector, weight)
         if outcome.fallback is not None and collab.moved_past(step):
-            logger.warning("step %d happened without this peer; downloading the state", step)
+            logger.info(  # normal for a late joiner or a slow peer: not a warning
+                "step %d finished without this peer; downloading the swarm's state", step
+            )
             if self.sync_state():
                 return None
         return averaged

@@ -194,13 +194,20 @@ class Collaboration:
         self._fresh = view.global_step > step
         self._stats = dataclasses.replace(self._stats, global_step=step)
         self._computing_since = time.perf_counter()
-        logger.info(
-            "training run %r from step %d: %d peers online, swarm at global step %d",
-            self.settings.run_id,
-            step,
-            view.peers_online,
-            view.global_step,
-        )
+        if self._fresh:
+            logger.info(
+                "joined run %r at global step %d (%d peers online); downloading the swarm's state",
+                self.settings.run_id,
+                view.global_step,
+                view.peers_online,
+            )
+        else:
+            logger.info(
+                "training run %r at global step %d: %d peers online",
+                self.settings.run_id,
+                step,
+                view.peers_online,
+            )
         return view
 
     def close(self) -> None:
@@ -247,8 +254,8 @@ class Collaboration:
         self._computing_since = now
         self._add(samples=samples)
         if self.metrics is not None:
-            self.metrics.inc("train_samples_total", samples)
-            self.metrics.set("train_samples_per_s", rate)
+            self.metrics.inc("p2ptrain_train_samples_total", samples)
+            self.metrics.set("p2ptrain_train_samples_per_s", rate)
 
     def report(self, *, step: int, samples: int, blocked: bool) -> None:
         """Publish the trainer's step and samples toward the next step."""
@@ -308,7 +315,7 @@ class Collaboration:
                 waited = time.perf_counter() - waited_since
                 self._add(waiting_s=waited)
                 if self.metrics is not None:
-                    self.metrics.observe("train_wait_seconds", waited)
+                    self.metrics.observe("p2ptrain_train_wait_seconds", waited)
             self._computing_since = time.perf_counter()
 
     def _prepare(self, step: int, num_elements: int, view: SwarmProgress) -> None:
@@ -346,12 +353,10 @@ class Collaboration:
         self.round_stats.record(outcome)
         if self.metrics is not None:
             labels = {"outcome": "group" if outcome.averaged else "local"}
-            self.metrics.inc("train_rounds_total", 1, labels)
-            self.metrics.inc("train_allreduce_bytes_sent_total", outcome.bytes_sent)
-            self.metrics.inc("train_allreduce_bytes_received_total", outcome.bytes_received)
-            self.metrics.observe("train_matchmaking_seconds", outcome.matchmaking_s)
+            self.metrics.inc("p2ptrain_train_rounds_total", 1, labels)
+            self.metrics.observe("p2ptrain_matchmaking_seconds", outcome.matchmaking_s)
             if outcome.report is not None:
-                self.metrics.observe("train_allreduce_seconds", outcome.allreduce_s)
+                self.metrics.observe("p2ptrain_allreduce_seconds", outcome.allreduce_s)
         return averaged, outcome
 
     def stepped(self, step: int) -> None:
@@ -361,7 +366,7 @@ class Collaboration:
         self.report(step=step, samples=0, blocked=False)
         self._computing_since = time.perf_counter()  # averaging is not computing
         if self.metrics is not None:
-            self.metrics.set("train_global_step", step)
+            self.metrics.set("p2ptrain_train_global_step", step)
         logger.debug("global step advanced to %d", step)  # the "averaged" line says it at INFO
 
     def moved_past(self, step: int) -> bool:
@@ -409,9 +414,9 @@ class Collaboration:
             self._stats = dataclasses.replace(self._stats, global_step=snapshot.step)
             self.report(step=snapshot.step, samples=0, blocked=False)
             if self.metrics is not None:
-                self.metrics.inc("train_state_downloads_total")
-                self.metrics.observe("train_state_download_seconds", seconds)
-                self.metrics.set("train_global_step", snapshot.step)
+                self.metrics.inc("p2ptrain_state_downloads_total")
+                self.metrics.observe("p2ptrain_state_download_seconds", seconds)
+                self.metrics.set("p2ptrain_train_global_step", snapshot.step)
             logger.info(
                 "downloaded the state of step %d from %s in %.2f s",
                 snapshot.step,
@@ -435,9 +440,9 @@ class Collaboration:
 
     def _gauges(self, view: SwarmProgress) -> None:
         if self.metrics is not None:
-            self.metrics.set("train_swarm_samples_per_s", view.samples_per_s)
-            self.metrics.set("train_peers_online", view.peers_online)
-            self.metrics.set("train_swarm_global_step", view.global_step)
+            self.metrics.set("p2ptrain_swarm_samples_per_s", view.samples_per_s)
+            self.metrics.set("p2ptrain_peers_online", view.peers_online)
+            self.metrics.set("p2ptrain_swarm_global_step", view.global_step)
 
 
 def _bandwidth(peer: Peer) -> tuple[float, float]:

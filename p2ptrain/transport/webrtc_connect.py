@@ -62,12 +62,27 @@ from p2ptrain.errors import (
 )
 from p2ptrain.transport.webrtc import CandidatePairInfo, WebRTCTransport
 from p2ptrain.transport.webrtc_config import MAX_MESSAGE_BYTES, WebRTCConfig
-from p2ptrain.transport.webrtc_sctp import SctpTuner, tune_association
+from p2ptrain.transport.webrtc_sctp import SctpTuner, UnsupportedAiortcError, tune_association
 from p2ptrain.transport.webrtc_signaling import MAX_SIGNAL_BYTES, SignalingChannel
 
 __all__ = ["ice_sockets", "selected_pair", "set_socket_buffers", "webrtc_connect"]
 
 logger = logging.getLogger(__name__)
+_warned_stock: list[str] = []
+"""The reason already warned about: the fallback is logged once per process."""
+
+
+def _warn_stock_sctp(reason: UnsupportedAiortcError) -> None:
+    """Say (once) that WebRTC runs aiortc's stock SCTP, slower under loss, and why."""
+    if str(reason) in _warned_stock:
+        logger.debug("stock SCTP: %s", reason)
+        return
+    _warned_stock.append(str(reason))
+    logger.warning(
+        "WebRTC runs aiortc's stock SCTP (slower under packet loss; see docs/webrtc.md): %s",
+        reason,
+    )
+
 
 SIGNAL_VERSION = 1
 _SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux, needs CAP_NET_ADMIN
@@ -201,7 +216,10 @@ class _Attempt:
             self.channels.append(channel)
         self.pc.on("connectionstatechange", self._wake)
         if self.config.sctp is not None:
-            self.tuner = tune_association(self.pc.sctp, self.config.sctp)
+            try:
+                self.tuner = tune_association(self.pc.sctp, self.config.sctp)
+            except UnsupportedAiortcError as exc:
+                _warn_stock_sctp(exc)
 
     def _opened_handler(self, index: int) -> Any:
         def opened() -> None:

@@ -52,8 +52,9 @@ How
 originals and adjust the instance's state (``_cwnd``, ``_ssthresh``, ``_rto``,
 a chunk's ``_misses``) before or after. No aiortc code is copied and no module
 constant is changed, so other associations in the process are untouched. The
-internals relied upon are checked when tuning starts
-(:class:`UnsupportedAiortcError` if aiortc changed them); ``tests/test_webrtc.py``
+aiortc version (:data:`SUPPORTED_AIORTC`) and the internals relied upon are
+checked when tuning starts (:class:`UnsupportedAiortcError` if they differ;
+the connection then runs stock aiortc, with a warning); ``tests/test_webrtc.py``
 runs the wrappers on real aiortc associations with deterministic packet loss.
 """
 
@@ -69,7 +70,15 @@ from typing import Any
 
 from p2ptrain.errors import ConfigError, P2PTrainError
 
-__all__ = ["SctpStats", "SctpTuner", "SctpTuning", "UnsupportedAiortcError", "tune_association"]
+__all__ = [
+    "SUPPORTED_AIORTC",
+    "SctpStats",
+    "SctpTuner",
+    "SctpTuning",
+    "UnsupportedAiortcError",
+    "aiortc_version",
+    "tune_association",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +106,29 @@ _REQUIRED = (
     "_sack_needed",
     "_get_inbound_stream",
 )
+
+
+SUPPORTED_AIORTC = ((1, 9), (1, 17))
+"""aiortc versions (from, below) whose internals the tuning was written and
+tested against; pyproject.toml bounds the dependency to the same range. Outside
+it the tuning is not installed and connections run aiortc's stock SCTP."""
+
+
+def aiortc_version() -> tuple[int, ...]:
+    """The installed aiortc's version as integers (``(1, 16, 0)``); ``()`` if unreadable."""
+    from importlib import metadata  # noqa: PLC0415
+
+    try:
+        text = metadata.version("aiortc")
+    except metadata.PackageNotFoundError:
+        return ()
+    parts: list[int] = []
+    for part in text.split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
 
 
 class UnsupportedAiortcError(P2PTrainError):
@@ -452,13 +484,20 @@ def tune_association(sctp: Any, tuning: SctpTuning) -> SctpTuner:
     """Install ``tuning`` on one aiortc ``RTCSctpTransport`` before it starts.
 
     Raises:
-        UnsupportedAiortcError: aiortc lacks an internal the tuning needs.
+        UnsupportedAiortcError: aiortc is outside :data:`SUPPORTED_AIORTC` or
+            lacks an internal the tuning needs.
     """
+    version = aiortc_version()
+    low, high = SUPPORTED_AIORTC
+    if not low <= version < high:
+        shown = ".".join(map(str, version)) or "unknown"
+        raise UnsupportedAiortcError(
+            f"aiortc {shown} is outside the versions the SCTP tuning supports "
+            f"(>= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))})"
+        )
     missing = [name for name in _REQUIRED if not hasattr(sctp, name)]
     if missing:
-        raise UnsupportedAiortcError(
-            f"this aiortc's SCTP transport lacks {', '.join(missing)}; run without SctpTuning"
-        )
+        raise UnsupportedAiortcError(f"this aiortc's SCTP transport lacks {', '.join(missing)}")
     from aiortc import rtcsctptransport  # noqa: PLC0415 - aiortc is heavy to import
 
     chunk_bytes = getattr(rtcsctptransport, "USERDATA_MAX_LENGTH", 1160)

@@ -1,9 +1,9 @@
 """Train the character model in one process: the baseline the collaborative demo is held to.
 
-Run from the repository root::
+Run from any directory (the example ships in the package)::
 
-    python -m examples.charlm.train_single                 # 600 steps, 1 thread
-    python -m examples.charlm.train_single --time-budget 120 --threads 2
+    python -m p2ptrain.examples.charlm.train_single                 # 600 steps, 1 thread
+    python -m p2ptrain.examples.charlm.train_single --time-budget 120 --threads 2
 
 Every ``--log-every`` steps it prints the step, the wall-clock seconds since
 training began (evaluations included), the samples seen, the mean training loss
@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from examples.charlm.data import Corpus, load_corpus
-from examples.charlm.model import (
+from p2ptrain.examples.charlm.data import Corpus, load_corpus
+from p2ptrain.examples.charlm.model import (
     CharTransformer,
     ModelConfig,
     evaluate,

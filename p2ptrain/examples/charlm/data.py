@@ -1,7 +1,7 @@
 """The King James Bible as characters: vocabulary, train/validation split, batch sampler.
 
-The text ships with the repository as ``examples/data/kjv.txt.xz`` (see
-``examples/data/PROVENANCE.md``); nothing is downloaded. It is 4.3 million ASCII
+The text ships inside the package as ``corpus/kjv.txt.xz`` beside this module
+(see ``corpus/PROVENANCE.md``); nothing is downloaded. It is 4.3 million ASCII
 characters drawn from a vocabulary of 73.
 
 Theory of operation
@@ -58,7 +58,7 @@ __all__ = [
     "load_text",
 ]
 
-DATA_FILE = Path(__file__).resolve().parent.parent / "data" / "kjv.txt.xz"
+DATA_FILE = Path(__file__).resolve().parent / "corpus" / "kjv.txt.xz"
 """The compressed text shipped with the repository."""
 
 TEXT_SHA256 = "b3f98c5e0af751ffce7487ec8207e775ca78f60449c58a381a466ad3c2b2d38a"

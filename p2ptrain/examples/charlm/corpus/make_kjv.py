@@ -7,7 +7,8 @@ Steps, as root on a Debian bookworm machine::
 
     apt-get download bible-kjv-text bible-kjv
     for deb in bible-kjv*.deb; do dpkg-deb -x "$deb" kjv; done
-    python examples/data/make_kjv.py kjv/usr/bin/bible kjv/usr/lib examples/data/kjv.txt.xz
+    python p2ptrain/examples/charlm/corpus/make_kjv.py kjv/usr/bin/bible kjv/usr/lib \
+        p2ptrain/examples/charlm/corpus/kjv.txt.xz
 
 The ``bible`` program decodes its own compressed database; with ``-f`` it prints
 one verse a line as ``<abbreviation><chapter>:<verse> <text>``, and without it

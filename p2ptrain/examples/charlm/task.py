@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from examples.charlm import data
-from examples.charlm.model import ModelConfig, loss, make_model, make_optimizer
+from p2ptrain.examples.charlm import data
+from p2ptrain.examples.charlm.model import ModelConfig, loss, make_model, make_optimizer
 
 WARMUP_STEPS = 20
 """Global steps of linear learning-rate warm-up: AdamW's first steps on a fresh

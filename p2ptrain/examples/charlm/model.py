@@ -7,7 +7,7 @@ so that four peers sharing two CPU cores still see the loss fall within a
 couple of minutes.
 
 A batch is an int64 tensor ``(rows, context + 1)`` of token ids as produced by
-:class:`examples.charlm.data.BatchSampler`: the model reads the first
+:class:`p2ptrain.examples.charlm.data.BatchSampler`: the model reads the first
 ``context`` tokens of each row and predicts the last ``context``.
 """
 
