@@ -41,7 +41,7 @@ from p2ptrain.aio import LoopThread
 from p2ptrain.allreduce.bandwidth import ThroughputConfig, ThroughputMeter
 from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
 from p2ptrain.allreduce.partition import PeerCapacity
-from p2ptrain.allreduce.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, measure_if_unknown
+from p2ptrain.measure.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, measure_if_unknown
 from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig

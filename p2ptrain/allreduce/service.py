@@ -26,7 +26,7 @@ import torch
 from p2ptrain.allreduce.butterfly import ButterflyRound, RoundObserver
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.group import GroupPlan
-from p2ptrain.allreduce.probe import PROBE_METHOD, serve_probes
+from p2ptrain.measure.probe import PROBE_METHOD, serve_probes
 from p2ptrain.allreduce.protocol import METHOD, Hello
 from p2ptrain.allreduce.report import AllReduceReport
 from p2ptrain.allreduce.vector import flatten, unflatten
@@ -60,7 +60,7 @@ class _Waiting:
 class AllReduceService:
     """Serves the all-reduce RPC of one node and runs its rounds.
 
-    It also answers bandwidth probes (:mod:`p2ptrain.allreduce.probe`).
+    It also answers bandwidth probes (:mod:`p2ptrain.measure.probe`).
 
     Args:
         node: The node; the service registers its handler right away.

@@ -1,7 +1,7 @@
 """A short bandwidth probe, for a peer that has not measured its links yet.
 
 Until a peer has taken part in an all-reduce round, its
-:class:`~p2ptrain.allreduce.bandwidth.ThroughputMeter` has nothing to report
+:class:`~p2ptrain.measure.meters.ThroughputMeter` has nothing to report
 and matchmaking would announce a guess. :func:`probe_throughput` measures
 both directions against one other peer instead, each where the bytes arrive:
 
@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
-from p2ptrain.allreduce.bandwidth import ThroughputMeter
+from p2ptrain.measure.meters import ThroughputMeter
 from p2ptrain.errors import ConfigError, P2PTrainError, RemoteProtocolError
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
