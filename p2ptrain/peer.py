@@ -12,9 +12,13 @@ with :meth:`Peer.run` (blocking) or :meth:`Peer.submit` (a future)::
         print("others can join with", peer.address)
         value = peer.run(peer.dht.get("run/progress"), timeout=10)
 
-The matchmaker announces the capacity of this peer: bandwidths measured by
-:attr:`Peer.throughput` (the trainers record every all-reduce round in it)
-and the compute throughput set with :meth:`Peer.set_samples_per_s`.
+The matchmaker announces the capacity of this peer: the bandwidths of
+:attr:`Peer.links` (a :class:`~p2ptrain.measure.estimates.LinkEstimator`
+fed by the start-up probe and by every all-reduce round, each transfer timed
+where it arrived; typed-in rates in ``PeerConfig.throughput`` cap it), the
+largest round-trip time seen to another peer as its latency term, and the
+compute throughput set with :meth:`Peer.set_samples_per_s`. Each call reads
+the latest estimates, so each round's plan follows the links as they change.
 
 With ``PeerConfig(nat=NATConfig(...))`` the peer also traverses NATs: at
 start it learns whether it is reachable (dial-backs and STUN against its
@@ -41,12 +45,19 @@ from p2ptrain.aio import LoopThread
 from p2ptrain.allreduce.bandwidth import ThroughputConfig, ThroughputMeter
 from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
 from p2ptrain.allreduce.partition import PeerCapacity
-from p2ptrain.measure.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, measure_if_unknown
 from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import ConfigError, P2PTrainError
 from p2ptrain.identity import Identity, PeerID
+from p2ptrain.measure.estimates import EstimatorConfig, LinkEstimator
+from p2ptrain.measure.latency import known_rtts
+from p2ptrain.measure.probe import (
+    DEFAULT_PROBE_BYTES,
+    MAX_PROBE_BYTES,
+    ProbeResult,
+    probe_throughput,
+)
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
@@ -80,11 +91,14 @@ class PeerConfig:
         dht: The DHT: initial peers to bootstrap from, client mode (a peer
             that cannot accept connections), timings.
         matchmaking: How averaging groups form (window, timeouts, sizes).
-        throughput: How this peer's bandwidth is measured, or explicit rates.
+        throughput: Typed-in rates (optional caps on what is measured); its
+            other fields configure the sender-side :class:`ThroughputMeter`.
         identity_path: A key file (created if absent) so that the peer keeps
             its PeerID across restarts; ``None`` uses a fresh identity.
         default_bytes_per_s: The bandwidth announced for a direction before
-            any transfer was measured.
+            any transfer was measured (and with no typed-in rate).
+        latency_rtts: Round trips a round costs beyond its transfers: the
+            latency term announced is this times the largest RTT seen.
         join_timeout: Seconds an all-reduce stream from another member may
             wait for this peer to enter the round.
         start_timeout: Seconds :meth:`Peer.start` may take (bootstrap included).
@@ -100,6 +114,7 @@ class PeerConfig:
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     identity_path: str | Path | None = None
     default_bytes_per_s: float = 12.5e6
+    latency_rtts: float = 2.0
     join_timeout: float = 10.0
     start_timeout: float = 60.0
     close_timeout: float = 10.0
@@ -121,6 +136,9 @@ class PeerConfig:
             raise ConfigError("PeerConfig.identity_path must be a path or None")
         for name in ("default_bytes_per_s", "join_timeout", "start_timeout", "close_timeout"):
             _positive(name, getattr(self, name))
+        rtts = self.latency_rtts
+        if isinstance(rtts, bool) or not isinstance(rtts, int | float) or not 0 <= rtts < 1e3:
+            raise ConfigError(f"PeerConfig.latency_rtts must be in [0, 1000), got {rtts!r}")
         if self.use_uvloop is not None and not isinstance(self.use_uvloop, bool):
             raise ConfigError("PeerConfig.use_uvloop must be a bool or None")
         probe = self.probe_bytes
@@ -156,6 +174,13 @@ class Peer:
             identity = Identity.load_or_create(path) if path is not None else Identity.generate()
         self.identity = identity
         self.throughput = ThroughputMeter(self.config.throughput)
+        typed = self.config.throughput
+        self.links = LinkEstimator(
+            EstimatorConfig(
+                upload_cap_bytes_per_s=typed.upload_bytes_per_s,
+                download_cap_bytes_per_s=typed.download_bytes_per_s,
+            )
+        )
         self._loop_thread = LoopThread(use_uvloop=self.config.use_uvloop, name="p2ptrain-peer")
         self._samples_per_s = 0.0
         self._node: Node | None = None
@@ -223,7 +248,9 @@ class Peer:
         node = Node(identity=self.identity, config=node_config)
         await node.start()
         self._node = node
-        self._service = AllReduceService(node, join_timeout=self.config.join_timeout)
+        self._service = AllReduceService(
+            node, join_timeout=self.config.join_timeout, links=self.links
+        )
         dht_config = self.config.dht
         reachability = None
         if nat is not None:
@@ -258,8 +285,18 @@ class Peer:
             await asyncio.shield(self._probe)
 
     async def _probe_links(self, targets: list[PeerAddress], nbytes: int) -> None:
-        result = await measure_if_unknown(self.throughput, self.node, targets, nbytes=nbytes)
+        result: ProbeResult | None = None
+        for target in targets:
+            try:
+                result = await probe_throughput(self.node, target, nbytes=nbytes)
+            except P2PTrainError:
+                continue
+            break
         if result is not None:
+            self.throughput.record_upload(nbytes, result.upload_s)
+            self.throughput.record_download(nbytes, result.download_s)
+            self.links.record_upload(nbytes, result.upload_s)
+            self.links.record_download(nbytes, result.download_s)
             logger.info(
                 "measured this peer's links: up %.1f MB/s, down %.1f MB/s (a %.0f MB probe)",
                 result.upload_bytes_per_s / 1e6,
@@ -386,11 +423,17 @@ class Peer:
         self._samples_per_s = float(value)
 
     def capacity(self) -> PeerCapacity:
-        """This peer's capacity as the load balancer sees it."""
-        return self.throughput.capacity(
-            default_bytes_per_s=self.config.default_bytes_per_s,
+        """This peer's capacity as the load balancer sees it: the latest estimates."""
+        default = self.config.default_bytes_per_s
+        upload = self.links.upload_bytes_per_s
+        download = self.links.download_bytes_per_s
+        rtts = known_rtts(self._node).values() if self._node is not None else ()
+        return PeerCapacity(
+            upload_bytes_per_s=default if upload is None else upload,
+            download_bytes_per_s=default if download is None else download,
             samples_per_s=self._samples_per_s,
             client_mode=self.client_mode,
+            latency_s=self.config.latency_rtts * max(rtts, default=0.0),
         )
 
 

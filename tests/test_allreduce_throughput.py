@@ -17,14 +17,14 @@ from conftest import NodeFactory
 from test_allreduce import make_members, make_plan, weighted_mean
 
 from p2ptrain.allreduce import ThroughputConfig, ThroughputMeter, allreduce
+from p2ptrain.allreduce.protocol import METHOD, ResultHeader, codec_for
+from p2ptrain.errors import InvalidArgumentError
 from p2ptrain.measure.probe import (
     MAX_PROBE_BYTES,
     PROBE_METHOD,
     measure_if_unknown,
     probe_throughput,
 )
-from p2ptrain.allreduce.protocol import METHOD, ResultHeader, codec_for
-from p2ptrain.errors import InvalidArgumentError
 from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.wire.buffers import BufferPool

@@ -21,8 +21,11 @@ moves in one round (in units of the vector)::
     download_i = w_i·(m − g_i)  [parts, reduce-scatter]      + g_i·(1 − w_i)  [results, all-gather]
 
 Both equal ``g_i + (m − 2·g_i)·w_i``, affine in the share. The round lasts as
-long as the slowest transfer: ``T = max_i max(upload_i / u_i, download_i / d_i)``,
-streaming assumed (the two phases overlap, latency is ignored). The
+long as the slowest transfer: ``T = max_i (max(upload_i / u_i, download_i / d_i) + L_i)``,
+streaming assumed (the two phases overlap). ``L_i`` is the peer's latency
+term (:attr:`PeerCapacity.latency_s`, e.g. a multiple of its largest
+round-trip time to the others): a constant per peer, so every peer's time
+stays affine in its own share and the LP stays exact. The
 derivation and its special cases are in ``docs/load-balancing.md``.
 """
 
@@ -78,6 +81,8 @@ class PeerCapacity:
             ``False`` marks an auxiliary peer, which only aggregates. A peer
             that neither computes nor accepts connections has no role and
             moves no data.
+        latency_s: Seconds added to the peer's transfer times in a round
+            (round trips the protocol waits for); finite, at least zero.
     """
 
     upload_bytes_per_s: float
@@ -85,6 +90,7 @@ class PeerCapacity:
     samples_per_s: float = 0.0
     client_mode: bool = False
     computes: bool = True
+    latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive_finite("upload_bytes_per_s", self.upload_bytes_per_s)
@@ -97,6 +103,11 @@ class PeerCapacity:
         for name in ("client_mode", "computes"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        latency = self.latency_s
+        if isinstance(latency, bool) or not isinstance(latency, int | float):
+            raise ConfigError(f"latency_s must be a number, got {latency!r}")
+        if not math.isfinite(latency) or latency < 0:
+            raise ConfigError(f"latency_s must be finite and >= 0, got {latency!r}")
 
     @property
     def can_aggregate(self) -> bool:
@@ -120,6 +131,7 @@ class TrafficCoefficients:
         upload_bytes_per_s: Each peer's upload bandwidth.
         download_bytes_per_s: Each peer's download bandwidth.
         can_aggregate: Whether each peer may be given a non-zero share.
+        latency_s: Each peer's latency term, added to both of its times.
     """
 
     upload_fixed: FloatArray
@@ -129,6 +141,7 @@ class TrafficCoefficients:
     upload_bytes_per_s: FloatArray
     download_bytes_per_s: FloatArray
     can_aggregate: NDArray[np.bool_]
+    latency_s: FloatArray
 
 
 def _check_peers(peers: Sequence[PeerCapacity]) -> None:
@@ -175,6 +188,7 @@ def traffic_coefficients(peers: Sequence[PeerCapacity]) -> TrafficCoefficients:
         upload_bytes_per_s=np.array([p.upload_bytes_per_s for p in peers], dtype=np.float64),
         download_bytes_per_s=np.array([p.download_bytes_per_s for p in peers], dtype=np.float64),
         can_aggregate=np.array([peer.can_aggregate for peer in peers], dtype=np.bool_),
+        latency_s=np.array([peer.latency_s for peer in peers], dtype=np.float64),
     )
 
 
@@ -204,7 +218,7 @@ def _check_shares(shares: Sequence[float], count: int) -> FloatArray:
 def transfer_times(
     shares: Sequence[float], peers: Sequence[PeerCapacity], vector_bytes: float
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Predict how long each peer uploads and downloads in one round.
+    """Predict how long each peer uploads and downloads in one round (its latency included).
 
     Args:
         shares: One share per peer: at least zero, summing to one, zero for
@@ -228,8 +242,8 @@ def transfer_times(
     upload = size * (coeffs.upload_fixed + coeffs.upload_per_share * w)
     download = size * (coeffs.download_fixed + coeffs.download_per_share * w)
     # Clamp the rounding error of 1 − w at w = 1 so that no time is negative.
-    upload_s = np.maximum(upload, 0.0) / coeffs.upload_bytes_per_s
-    download_s = np.maximum(download, 0.0) / coeffs.download_bytes_per_s
+    upload_s = np.maximum(upload, 0.0) / coeffs.upload_bytes_per_s + coeffs.latency_s
+    download_s = np.maximum(download, 0.0) / coeffs.download_bytes_per_s + coeffs.latency_s
     return tuple(float(x) for x in upload_s), tuple(float(x) for x in download_s)
 
 

@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
-from p2ptrain.measure.meters import ThroughputMeter
 from p2ptrain.errors import ConfigError, P2PTrainError, RemoteProtocolError
+from p2ptrain.measure.meters import ThroughputMeter
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.handlers import CallContext

@@ -16,11 +16,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from p2ptrain.measure.probe import serve_probes
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import Identity
+from p2ptrain.measure.probe import serve_probes
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.service import NATService
 from p2ptrain.node.config import NodeConfig
