@@ -14,13 +14,30 @@ whole Ethernet frames, so TCP goodput is about 1448/1514 ≈ 96 % of the rate.
 No traffic leaves the namespaces. Building it needs CAP_NET_ADMIN; the lab is
 always torn down (namespaces deleted, whatever runs in them killed), and
 namespaces a crashed run left behind are removed on the next start.
+
+Latency (``delay_ms``): the kernel has no netem, so each host's outgoing
+packets to the lab subnet are routed through the NAT lab's user-space shim
+(:mod:`p2ptrain.testing.lossy_link`) on a tun device in the host's own
+namespace, which holds them ``delay_ms`` and writes them back; they then
+leave through ``eth0`` and its tbf as before::
+
+    rule 100  iif t0 lookup main                  # back from the shim: out eth0
+    rule 200  iif lo to 10.77.0.0/24 lookup 100   # locally sent: into the shim
+    table 100: 10.77.0.0/24 dev t0
+
+Every host delays its own sends, so a round trip between two hosts is
+``2 · delay_ms``. :meth:`StarLab.set_link` re-shapes a host's link while the
+lab runs (the throttle scenario).
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 from p2ptrain.testing.natlab import tbf_args
@@ -33,6 +50,7 @@ from p2ptrain.testing.natlab_netns import (
     run_cmd,
     unavailable_reason,
 )
+from p2ptrain.testing.natlab_shim import ShimLink, start_shim, stop_shim
 
 __all__ = ["LinkSpec", "StarLab", "unavailable_reason"]
 
@@ -76,14 +94,22 @@ class StarLab:
     """
 
     def __init__(
-        self, links: Sequence[LinkSpec], *, congestion_control: str | None = "cubic"
+        self,
+        links: Sequence[LinkSpec],
+        *,
+        congestion_control: str | None = "cubic",
+        delay_ms: float = 0.0,
     ) -> None:
         if not 1 <= len(links) <= 200:
             raise ValueError("a star lab has 1 to 200 hosts")
+        if not 0 <= delay_ms <= 1000:
+            raise ValueError("delay_ms must be in [0, 1000]")
         self.links = list(links)
         self.congestion_control = congestion_control
+        self.delay_ms = delay_ms
         self.lab_id = ""
         self._namespaces: list[str] = []
+        self._shims: list[subprocess.Popen[str]] = []
 
     def host_address(self, index: int) -> str:
         """Host ``index``'s IPv4 address."""
@@ -159,6 +185,50 @@ class StarLab:
                     *tbf_args(f"h{index}", link.download_mbit, latency_ms=SHAPER_LATENCY_MS),
                 ]
             )
+            if self.delay_ms > 0:
+                self._delay(index)
+
+    def _delay(self, index: int) -> None:
+        """Route host ``index``'s sends through a delay shim in its namespace."""
+        netns = self.netns(index)
+        log_dir = Path(tempfile.mkdtemp(prefix=f"{self.lab_id}-shim-"))
+        link = ShimLink(
+            f"p{index}", "eth0", "t0", self.host_address(index), 100, self.delay_ms, 0.0, index
+        )
+        self._shims.append(start_shim(netns, link, log_dir=log_dir, timeout=30.0))
+        for key in (
+            "ip_forward",
+            "conf.all.rp_filter",
+            "conf.t0.rp_filter",
+            "conf.default.rp_filter",
+        ):
+            run_cmd(
+                netns_argv(
+                    netns,
+                    ["sysctl", "-q", "-w", f"net.ipv4.{key}={1 if key == 'ip_forward' else 0}"],
+                )
+            )
+        run_cmd(netns_argv(netns, ["sysctl", "-q", "-w", "net.ipv4.conf.t0.accept_local=1"]))
+        congctl = f" congctl {self.congestion_control}" if self.congestion_control else ""
+        _ip_batch(
+            netns,
+            [
+                "link set dev t0 up",
+                f"route add {SUBNET}.0/24 dev t0 src {self.host_address(index)} table 100{congctl}",
+                "rule add priority 100 iif t0 lookup main",
+                f"rule add priority 200 iif lo to {SUBNET}.0/24 lookup 100",
+            ],
+        )
+
+    def set_link(self, index: int, link: LinkSpec) -> None:
+        """Re-shape host ``index``'s link (both tbfs replaced) while the lab runs."""
+        hub = f"{self.lab_id}-hub"
+        up = tbf_args("eth0", link.upload_mbit, latency_ms=SHAPER_LATENCY_MS)
+        down = tbf_args(f"h{index}", link.download_mbit, latency_ms=SHAPER_LATENCY_MS)
+        up[1] = down[1] = "replace"
+        run_cmd(["tc", "-n", self.netns(index), *up])
+        run_cmd(["tc", "-n", hub, *down])
+        self.links[index] = link
 
     def counters(self) -> list[dict[str, int]]:
         """Per host, what its shapers passed and dropped so far (``tc -s qdisc``).
@@ -202,6 +272,9 @@ class StarLab:
 
     def close(self) -> None:
         """Kill what runs in the namespaces and delete them (hosts first, then the hub)."""
+        for shim in self._shims:
+            stop_shim(shim)
+        self._shims = []
         errors = []
         for name in reversed(self._namespaces):
             try:

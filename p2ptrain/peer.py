@@ -48,16 +48,11 @@ from p2ptrain.allreduce.partition import PeerCapacity
 from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
-from p2ptrain.errors import ConfigError, P2PTrainError
+from p2ptrain.errors import ConfigError
 from p2ptrain.identity import Identity, PeerID
-from p2ptrain.measure.estimates import EstimatorConfig, LinkEstimator
+from p2ptrain.measure.estimates import EstimatorConfig, LinkEstimator, StreamTiming
 from p2ptrain.measure.latency import known_rtts
-from p2ptrain.measure.probe import (
-    DEFAULT_PROBE_BYTES,
-    MAX_PROBE_BYTES,
-    ProbeResult,
-    probe_throughput,
-)
+from p2ptrain.measure.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, probe_peers
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
@@ -189,6 +184,7 @@ class Peer:
         self._matchmaker: Matchmaker | None = None
         self._nat: NATService | None = None
         self._probe: asyncio.Task[None] | None = None
+        self._probe_targets: list[PeerAddress] = []
         self._dht_client_mode = self.config.dht.client_mode
         self._state = "new"
 
@@ -249,7 +245,7 @@ class Peer:
         await node.start()
         self._node = node
         self._service = AllReduceService(
-            node, join_timeout=self.config.join_timeout, links=self.links
+            node, join_timeout=self.config.join_timeout, links=self.links, on_late=self._reprobe
         )
         dht_config = self.config.dht
         reachability = None
@@ -273,11 +269,19 @@ class Peer:
             capacity=self.capacity,
             client_mode=self.client_mode,
         )
-        if self.config.probe_bytes is not None and dht_config.initial_peers:
-            targets = [PeerAddress.parse(a) for a in dht_config.initial_peers]
-            self._probe = asyncio.get_running_loop().create_task(
-                self._probe_links(targets, self.config.probe_bytes), name="bandwidth-probe"
-            )
+        self._probe_targets = [PeerAddress.parse(a) for a in dht_config.initial_peers]
+        self._reprobe()
+
+    def _reprobe(self) -> None:
+        """Probe the initial peers (at start, and after a round that ran late), one at a time."""
+        nbytes = self.config.probe_bytes
+        if nbytes is None or not self._probe_targets:
+            return
+        if self._probe is not None and not self._probe.done():
+            return
+        self._probe = asyncio.get_running_loop().create_task(
+            self._probe_links(self._probe_targets, nbytes), name="bandwidth-probe"
+        )
 
     async def probed(self) -> None:
         """Wait (on the peer's loop) until the start-up bandwidth probe, if any, is over."""
@@ -285,24 +289,22 @@ class Peer:
             await asyncio.shield(self._probe)
 
     async def _probe_links(self, targets: list[PeerAddress], nbytes: int) -> None:
-        result: ProbeResult | None = None
-        for target in targets:
-            try:
-                result = await probe_throughput(self.node, target, nbytes=nbytes)
-            except P2PTrainError:
-                continue
-            break
-        if result is not None:
-            self.throughput.record_upload(nbytes, result.upload_s)
-            self.throughput.record_download(nbytes, result.download_s)
-            self.links.record_upload(nbytes, result.upload_s)
-            self.links.record_download(nbytes, result.download_s)
-            logger.info(
-                "measured this peer's links: up %.1f MB/s, down %.1f MB/s (a %.0f MB probe)",
-                result.upload_bytes_per_s / 1e6,
-                result.download_bytes_per_s / 1e6,
-                nbytes / 1e6,
-            )
+        results = await probe_peers(self.node, targets, nbytes=nbytes)
+        if not results:
+            return
+        first = results[0]
+        self.throughput.record_upload(first.nbytes, first.upload_s)
+        self.throughput.record_download(first.nbytes, first.download_s)
+        self.links.observe_probe(
+            [StreamTiming(r.nbytes, r.upload_s) for r in results],
+            [StreamTiming(r.nbytes, r.download_s) for r in results],
+        )
+        logger.info(
+            "measured this peer's links against %d peers: up %.1f MB/s, down %.1f MB/s",
+            len(results),
+            (self.links.upload_bytes_per_s or 0.0) / 1e6,
+            (self.links.download_bytes_per_s or 0.0) / 1e6,
+        )
 
     async def _aclose(self) -> None:
         if self._probe is not None:

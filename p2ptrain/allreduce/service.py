@@ -18,7 +18,7 @@ import logging
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, overload
 
 import torch
@@ -73,6 +73,8 @@ class AllReduceService:
             are refused at once and round ids are never reused.
         links: Where every round's receiver-timed streams are recorded (the
             estimates this peer announces), or None.
+        on_late: Called after a round that ran late against its prediction
+            (the owner of ``links`` may probe again).
 
     Raises:
         ConfigError: The node already serves the all-reduce method, or a bad
@@ -91,6 +93,7 @@ class AllReduceService:
         max_waiting_rounds: int = 64,
         remember_rounds: int = 1024,
         links: LinkEstimator | None = None,
+        on_late: Callable[[], None] | None = None,
     ) -> None:
         if not (math.isfinite(join_timeout) and join_timeout > 0):
             raise ConfigError("join_timeout must be positive and finite")
@@ -99,6 +102,7 @@ class AllReduceService:
         self.node = node
         self.join_timeout = join_timeout
         self.links = links
+        self.on_late = on_late
         self._max_waiting = max_waiting_rounds
         self._remember = remember_rounds
         self._rounds: dict[bytes, ButterflyRound] = {}
@@ -215,12 +219,14 @@ class AllReduceService:
             while len(self._finished) > self._remember:
                 self._finished.popitem(last=False)
         if self.links is not None:
-            self.links.observe_round(
+            late = self.links.observe_round(
                 report.upload_streams,
                 report.download_streams,
                 total_s=report.total_s,
                 predicted_s=report.predicted_s,
             )
+            if late and self.on_late is not None:
+                self.on_late()
         return unflatten(out, layout), report
 
     # -- the handler -------------------------------------------------------------------

@@ -1,25 +1,28 @@
 """What a peer believes its links can carry: the rates it announces for load balancing.
 
 Theory of operation. Every transfer is timed where it arrives
-(:class:`ArrivalTimer`): a stream's bytes over the time during which one of
-its messages was in flight (its header in, its payload not yet read). Gaps
-between messages, when the sender had nothing to send, do not count, so a
-stream that trickles because its sender waits for others still shows the rate
-of the link while data moved. Receivers tell the sender what they timed (the
-all-reduce carries it in a protocol field), so a peer learns its upload from
-the far end, not from its own socket buffers.
+(:class:`ArrivalTimer`): a stream's bytes over its active receive time, from
+its first payload's header to its last read. Receivers tell the sender what
+they timed (the all-reduce carries it in a protocol field), so a peer learns
+its upload from the far end, not from its own socket buffers (which made
+the sender-side :class:`~p2ptrain.measure.meters.ThroughputMeter` see home
+uploads faster than their links).
 
-One round gives one observation per direction: the sum of the rates of the
-streams that moved at least ``min_bytes`` (the streams of a round run at the
-same time and share the link). :class:`LinkEstimator` folds the observations
-of the start-up probe and of every round into one estimate per direction, a
-*decayed maximum*: ``estimate ← max(observation, decay · estimate)``. A peer
-whose streams were limited by slower partners measures less than its link can
-carry; the maximum keeps what it once showed, and the decay lets a link that
-got slower be believed within a few rounds. A round that ran late against its
-plan's prediction is direct evidence that some estimate was too high: then a
-lower observation replaces the estimate at once. A typed-in rate is a cap,
-never the source.
+One round, or one probe of several peers at once, gives one observation per
+direction: the sum of the rates of the streams that moved at least
+``min_bytes`` (they run at the same time and share the link). What a round
+shows is a lower bound: a peer whose partners are slower, or whose share is
+small, moves less than its link can carry. So :class:`LinkEstimator` keeps a
+*decayed maximum* per direction, ``estimate ← max(observation, decay ·
+estimate)``, with no decay by default: a decay would let a well-connected
+peer's estimate sink to what its current share makes it move, the planner
+would then give it less, and so on down (a spiral measured in
+``bench_allreduce.py``). A link that got slower shows up as a round that ran
+late against its plan's prediction: then every observation of that round
+replaces its estimate (a link the round under-used is under-estimated for
+a moment) and :attr:`LinkEstimator.needs_probe` asks the owner to probe
+again, which restores what the round could not show. A typed-in rate is a
+cap, never the source.
 
 Pure logic: observations and time come in as arguments; no I/O.
 """
@@ -55,37 +58,39 @@ class StreamTiming:
 
 
 class ArrivalTimer:
-    """Times one stream where its bytes arrive: header in → payload read, gaps left out."""
+    """Times one stream where its bytes arrive: from its first payload's header to its last read.
 
-    __slots__ = ("_arriving", "_last_read", "_since", "nbytes", "seconds")
+    The span includes the waits between messages; on a stream that moves
+    data steadily it is the stream's transfer time, and a receiver that reads
+    in bursts (a busy CPU) shifts both ends alike. On transports that never
+    report arriving headers (WebRTC) the span starts at the first read.
+    """
+
+    __slots__ = ("_first", "_last", "nbytes")
 
     def __init__(self) -> None:
-        self._arriving = 0
-        self._since = 0.0
-        self._last_read: float | None = None
+        self._first: float | None = None
+        self._last: float | None = None
         self.nbytes = 0
-        self.seconds = 0.0
 
     def arriving(self, now: float) -> None:
         """A message's header arrived (its payload follows)."""
-        if self._arriving == 0:
-            self._since = now
-        self._arriving += 1
+        if self._first is None:
+            self._first = now
 
     def read(self, nbytes: int, now: float) -> None:
-        """A message with ``nbytes`` of payload was read.
-
-        On transports that never report arriving headers (WebRTC), the time
-        from the previous read counts instead.
-        """
+        """A message with ``nbytes`` of payload was read."""
         self.nbytes += nbytes
-        if self._arriving > 0:
-            self._arriving -= 1
-            if self._arriving == 0:
-                self.seconds += max(now - self._since, 0.0)
-        elif self._last_read is not None:
-            self.seconds += max(now - self._last_read, 0.0)
-        self._last_read = now
+        if self._first is None:
+            self._first = now
+        self._last = now
+
+    @property
+    def seconds(self) -> float:
+        """The span timed so far."""
+        if self._first is None or self._last is None:
+            return 0.0
+        return max(self._last - self._first, 0.0)
 
     def timing(self) -> StreamTiming:
         """What was timed so far."""
@@ -114,7 +119,8 @@ class EstimatorConfig:
     Attributes:
         decay: Fraction of the old estimate a lower observation keeps, per
             observation, in [0, 1]: ``estimate ← max(observation, decay ·
-            estimate)``. 1 never forgets a maximum; 0 believes the latest.
+            estimate)``. 1 (the default) never forgets a maximum except
+            through a late round; 0 believes the latest.
         min_bytes: Streams that moved fewer payload bytes are not used (their
             time is mostly latency).
         late_tolerance: A round whose achieved time exceeded its predicted
@@ -125,7 +131,7 @@ class EstimatorConfig:
         download_cap_bytes_per_s: The same for download.
     """
 
-    decay: float = 0.5
+    decay: float = 1.0
     min_bytes: int = 256 << 10
     late_tolerance: float = 0.25
     upload_cap_bytes_per_s: float | None = None
@@ -171,6 +177,8 @@ class LinkEstimator:
         self.config = config or EstimatorConfig()
         self._upload = _Direction()
         self._download = _Direction()
+        self.needs_probe = False
+        """Set by a late round: a probe should restore what the round could not show."""
 
     # -- observations ------------------------------------------------------------------
 
@@ -201,12 +209,26 @@ class LinkEstimator:
         *,
         total_s: float,
         predicted_s: float | None,
-    ) -> None:
-        """One all-reduce round: streams plus how long it took against its prediction."""
+    ) -> bool:
+        """One all-reduce round: streams plus how long it took against its prediction.
+
+        Returns:
+            Whether the round ran late (its observations replaced the estimates).
+        """
         late = bool(predicted_s) and total_s > (predicted_s or 0.0) * (
             1 + self.config.late_tolerance
         )
         self.observe(uploads=uploads, downloads=downloads, late=late)
+        if late:
+            self.needs_probe = True
+        return late
+
+    def observe_probe(
+        self, uploads: Iterable[StreamTiming], downloads: Iterable[StreamTiming]
+    ) -> None:
+        """A probe of one or more peers at once (it clears :attr:`needs_probe`)."""
+        self.observe(uploads=uploads, downloads=downloads)
+        self.needs_probe = False
 
     def record_upload(self, nbytes: int, seconds: float) -> None:
         """One upload transfer timed by its receiver (e.g. a probe)."""
