@@ -3,7 +3,7 @@
 Same eight peers and tbf links as ``_allreduce_hetero.py``, in fresh star labs:
 
 * **measured**: no configured rate anywhere. Each peer probes all the others
-  at once (``probe_peers``, 4 MB split among them), one prober at a time, as
+  at once (``probe_peers``, 2 MiB each), one prober at a time, as
   newcomers joining one by one would probe their initial peers, into its own
   :class:`~p2ptrain.measure.estimates.LinkEstimator`; every round's report
   goes into it too (receiver-timed streams). Before every round the parent
@@ -42,7 +42,8 @@ from benchmarks._allreduce_systems import p2ptrain_plan, p2ptrain_prepares, star
 __all__ = ["run_adaptive"]
 
 MiB = 1 << 20
-PROBE_BYTES = 4 << 20
+PROBE_BYTES = 14 << 20
+"""Probe bytes of one peer, split among the others (2 MiB each)."""
 ADAPT_TOLERANCE = 0.15
 
 

@@ -104,6 +104,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--log-dir", help="keep every peer's JSON log lines in this directory")
     demo.add_argument(
+        "--shaped",
+        action="store_true",
+        help="root only: run the peers in network namespaces with tc-tbf links at their "
+        "rates and a delay; the load balancer is fed only by what the peers measure",
+    )
+    demo.add_argument(
         "--megabytes",
         type=float,
         help="run the tensor ring check with tensors of this size instead of training",
@@ -352,11 +358,15 @@ def _run_demo(args: argparse.Namespace) -> int:
         return _run_ring_demo(args)
     from p2ptrain.swarm_demo import SwarmDemoConfig, run_swarm_demo  # noqa: PLC0415
 
+    if args.shaped and os.geteuid() != 0:
+        print("p2ptrain demo --shaped needs root (network namespaces and tc)", file=sys.stderr)
+        return 2
     config = SwarmDemoConfig(
         peers=args.peers,
         seconds=args.seconds,
         png=args.png,
         log_dir=args.log_dir,
+        shaped=args.shaped,
     )
     result = run_swarm_demo(config, out=sys.stdout)
     return 0 if result.ok else 1

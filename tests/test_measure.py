@@ -15,7 +15,7 @@ from p2ptrain.allreduce import AllReduceService
 from p2ptrain.allreduce.protocol import ResultHeader, TimingAck, parse_result, parse_timing
 from p2ptrain.errors import ConfigError, RemoteProtocolError
 from p2ptrain.measure import ArrivalTimer, EstimatorConfig, LinkEstimator, StreamTiming
-from p2ptrain.measure.estimates import sum_of_rates
+from p2ptrain.measure.estimates import combined_rate
 from p2ptrain.measure.latency import known_rtts, measure_rtts
 
 MB = 1 << 20
@@ -44,10 +44,10 @@ def test_without_arrival_callbacks_the_span_starts_at_the_first_read() -> None:
     assert timing.nbytes == 3 * MB and timing.seconds == pytest.approx(0.5)
 
 
-def test_concurrent_streams_add_their_rates_and_small_ones_are_left_out() -> None:
+def test_side_by_side_streams_combine_over_the_longest_span() -> None:
     streams = [StreamTiming(10 * MB, 1.0), StreamTiming(5 * MB, 0.5), StreamTiming(1000, 1e-6)]
-    assert sum_of_rates(streams, min_bytes=MB) == pytest.approx(20 * MB)
-    assert sum_of_rates(streams[2:], min_bytes=MB) is None
+    assert combined_rate(streams, min_bytes=MB) == pytest.approx(15 * MB)
+    assert combined_rate(streams[2:], min_bytes=MB) is None
     with pytest.raises(ConfigError):
         StreamTiming(-1, 1.0)
     with pytest.raises(ConfigError):

@@ -19,7 +19,7 @@ from p2ptrain.measure.estimates import (
     EstimatorConfig,
     LinkEstimator,
     StreamTiming,
-    sum_of_rates,
+    combined_rate,
 )
 from p2ptrain.measure.meters import ThroughputConfig, ThroughputMeter
 
@@ -30,5 +30,5 @@ __all__ = [
     "StreamTiming",
     "ThroughputConfig",
     "ThroughputMeter",
-    "sum_of_rates",
+    "combined_rate",
 ]

@@ -9,8 +9,10 @@ the sender-side :class:`~p2ptrain.measure.meters.ThroughputMeter` see home
 uploads faster than their links).
 
 One round, or one probe of several peers at once, gives one observation per
-direction: the sum of the rates of the streams that moved at least
-``min_bytes`` (they run at the same time and share the link). What a round
+direction: the bytes of the streams that moved at least ``min_bytes`` over
+the longest of their spans (they run side by side and share the link;
+where they did not quite overlap this errs low, which the maximum below
+absorbs, and never high, which it would keep). What a round
 shows is a lower bound: a peer whose partners are slower, or whose share is
 small, moves less than its link can carry. So :class:`LinkEstimator` keeps a
 *decayed maximum* per direction, ``estimate ← max(observation, decay ·
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 from p2ptrain.errors import ConfigError
 
-__all__ = ["ArrivalTimer", "EstimatorConfig", "LinkEstimator", "StreamTiming", "sum_of_rates"]
+__all__ = ["ArrivalTimer", "EstimatorConfig", "LinkEstimator", "StreamTiming", "combined_rate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +99,17 @@ class ArrivalTimer:
         return StreamTiming(self.nbytes, self.seconds)
 
 
-def sum_of_rates(timings: Iterable[StreamTiming], *, min_bytes: int) -> float | None:
-    """The summed rate of the streams that moved at least ``min_bytes`` (None if none did)."""
-    rates = [t.nbytes / t.seconds for t in timings if t.nbytes >= min_bytes and t.seconds > 0]
-    return sum(rates) if rates else None
+def combined_rate(timings: Iterable[StreamTiming], *, min_bytes: int) -> float | None:
+    """The rate of streams that ran side by side: their bytes over the longest span.
+
+    Only streams that moved at least ``min_bytes`` count (None if none did).
+    Streams that did not fully overlap make this an under-estimate, never an
+    over-estimate (a sum of rates would count staggered streams twice).
+    """
+    used = [t for t in timings if t.nbytes >= min_bytes and t.seconds > 0]
+    if not used:
+        return None
+    return sum(t.nbytes for t in used) / max(t.seconds for t in used)
 
 
 def _optional_rate(name: str, value: float | None) -> None:
@@ -198,7 +207,7 @@ class LinkEstimator:
                 ``late_tolerance``): lower observations then replace the estimates.
         """
         for direction, timings in ((self._upload, uploads), (self._download, downloads)):
-            rate = sum_of_rates(timings, min_bytes=self.config.min_bytes)
+            rate = combined_rate(timings, min_bytes=self.config.min_bytes)
             if rate is not None:
                 direction.update(rate, self.config.decay, late)
 

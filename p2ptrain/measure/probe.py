@@ -171,13 +171,13 @@ async def probe_peers(
 ) -> list[ProbeResult]:
     """Probe every target at once, ``nbytes`` split among them; what those that answered gave.
 
-    Run at the same time, the probes share this peer's links: the sum of
-    their rates is what its links carried towards (and from) all of them,
-    which a single slow partner would hide. Each target gets at least 256 KiB.
+    Run at the same time, the probes share this peer's links: together they
+    show what its links carried towards (and from) all of them, which a
+    single slow partner would hide. Each target gets at least 1 MiB.
     """
     if not targets:
         return []
-    each = max(nbytes // len(targets), min(nbytes, 256 << 10))
+    each = max(nbytes // len(targets), min(nbytes, 1 << 20))
 
     async def one(target: PeerAddress) -> ProbeResult | None:
         try:
