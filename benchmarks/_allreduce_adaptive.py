@@ -14,10 +14,12 @@ Same eight peers and tbf links as ``_allreduce_hetero.py``, in fresh star labs:
 * **throttle**: the same peers carry on for ``throttle_rounds`` rounds;
   after round ``throttle_after`` the ``dc`` link drops from 1000 to
   100 Mbit/s (both tbfs replaced). Adapted = the first round after the change
-  within 15 % of the LP's time for the new configured rates.
+  within 15 % of the LP's time for the new configured rates. For reference,
+  the LP's plan for those configured rates then runs on the same links.
 * **rtt**: a lab whose hosts delay their sends by ``rtt_ms / 2`` (round
-  trip ``rtt_ms``), LP fed the configured rates plus each peer's latency
-  term, ``latency_rtts`` × the largest RTT it measured by PINGs.
+  trip ``rtt_ms``), LP fed the configured rates plus each peer's largest RTT
+  measured by PINGs (the model turns it into a latency term,
+  :func:`p2ptrain.allreduce.partition.latency_s`).
 """
 
 from __future__ import annotations
@@ -136,7 +138,6 @@ def run_adaptive(
     throttle_after: int = 3,
     rtt_ms: float = 40.0,
     rtt_sizes_mib: Sequence[int] = (1, 16),
-    latency_rtts: float = 2.0,
     scenario: Sequence[HeteroPeer] = SCENARIO,
 ) -> dict[str, Any]:
     """Run the measured, throttle and RTT scenarios; return their JSON fields."""
@@ -189,7 +190,7 @@ def run_adaptive(
             upload_bytes_per_s=slow.upload_bytes_per_s,
             download_bytes_per_s=slow.download_bytes_per_s,
         )
-        _, throttle_predicted = _plan(new_rates, vector_bytes)
+        new_shares, throttle_predicted = _plan(new_rates, vector_bytes)
         rounds: list[dict[str, float]] = []
         for r in range(1, throttle_rounds + 1):
             if r == throttle_after + 1:
@@ -215,6 +216,12 @@ def run_adaptive(
         out["throttle_s"] = round(statistics.median(r["achieved_s"] for r in settled), 4)
         out["throttle_predicted_s"] = round(throttle_predicted, 4)
         out["throttle_rounds"] = rounds
+        # For reference, on the same throttled links: the plan of the configured new rates.
+        reference = [
+            runner.round(f"throttle configured {a}", new_shares, throttle_predicted, numel)
+            for a in range(2)
+        ]
+        out["throttle_configured_plan_s"] = round(min(reference), 4)
     # -- RTT --------------------------------------------------------------------------------
     rows = []
     with (
@@ -233,10 +240,7 @@ def run_adaptive(
         )
         rtts = [reply["rtt"] for reply in replies]
         log("  adaptive RTTs (ms): " + ", ".join(f"{x * 1e3:.1f}" for x in rtts))
-        peers = [
-            replace(c, latency_s=latency_rtts * rtt)
-            for c, rtt in zip(configured, rtts, strict=True)
-        ]
+        peers = [replace(c, rtt_s=rtt) for c, rtt in zip(configured, rtts, strict=True)]
         for mib in rtt_sizes_mib:
             size = mib * MiB
             shares, pred = _plan(peers, size)
@@ -254,6 +258,5 @@ def run_adaptive(
             )
     out["rtt_rows"] = rows
     out["rtt_ms"] = rtt_ms
-    out["latency_rtts"] = latency_rtts
     out["measured_rtt_s"] = [round(x, 4) for x in rtts]
     return out

@@ -16,7 +16,8 @@ The matchmaker announces the capacity of this peer: the bandwidths of
 :attr:`Peer.links` (a :class:`~p2ptrain.measure.estimates.LinkEstimator`
 fed by the start-up probe and by every all-reduce round, each transfer timed
 where it arrived; typed-in rates in ``PeerConfig.throughput`` cap it), the
-largest round-trip time seen to another peer as its latency term, and the
+largest round-trip time seen to another peer (the planner turns it into a
+latency term, :func:`~p2ptrain.allreduce.partition.latency_s`), and the
 compute throughput set with :meth:`Peer.set_samples_per_s`. Each call reads
 the latest estimates, so each round's plan follows the links as they change.
 
@@ -92,8 +93,6 @@ class PeerConfig:
             its PeerID across restarts; ``None`` uses a fresh identity.
         default_bytes_per_s: The bandwidth announced for a direction before
             any transfer was measured (and with no typed-in rate).
-        latency_rtts: Round trips a round costs beyond its transfers: the
-            latency term announced is this times the largest RTT seen.
         join_timeout: Seconds an all-reduce stream from another member may
             wait for this peer to enter the round.
         start_timeout: Seconds :meth:`Peer.start` may take (bootstrap included).
@@ -109,7 +108,6 @@ class PeerConfig:
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     identity_path: str | Path | None = None
     default_bytes_per_s: float = 12.5e6
-    latency_rtts: float = 2.0
     join_timeout: float = 10.0
     start_timeout: float = 60.0
     close_timeout: float = 10.0
@@ -131,9 +129,6 @@ class PeerConfig:
             raise ConfigError("PeerConfig.identity_path must be a path or None")
         for name in ("default_bytes_per_s", "join_timeout", "start_timeout", "close_timeout"):
             _positive(name, getattr(self, name))
-        rtts = self.latency_rtts
-        if isinstance(rtts, bool) or not isinstance(rtts, int | float) or not 0 <= rtts < 1e3:
-            raise ConfigError(f"PeerConfig.latency_rtts must be in [0, 1000), got {rtts!r}")
         if self.use_uvloop is not None and not isinstance(self.use_uvloop, bool):
             raise ConfigError("PeerConfig.use_uvloop must be a bool or None")
         probe = self.probe_bytes
@@ -435,7 +430,7 @@ class Peer:
             download_bytes_per_s=default if download is None else download,
             samples_per_s=self._samples_per_s,
             client_mode=self.client_mode,
-            latency_s=self.config.latency_rtts * max(rtts, default=0.0),
+            rtt_s=max(rtts, default=0.0),
         )
 
 

@@ -631,3 +631,53 @@ def test_bad_status_becomes_load_balancing_error(monkeypatch: pytest.MonkeyPatch
         LoadBalancer().plan(sym(1.0, 2.0, 3.0), vector_bytes=V, target_batch_size=1)
     assert info.value.status == cp.INFEASIBLE
     assert info.value.solver == "CLARABEL"
+
+
+# -- latency ---------------------------------------------------------------------------------
+
+
+def test_the_latency_term_follows_its_formula() -> None:
+    from p2ptrain.allreduce.partition import INITIAL_WINDOW_BYTES, latency_s
+
+    assert latency_s(0.0, 1e9, V) == 0.0
+    # 50 Mbit/s over 40 ms holds 250 kB: 2 RTT · (1 + log2(250 kB / initial window)).
+    expected = 2 * 0.04 * (1 + math.log2(0.04 * 6.25e6 / INITIAL_WINDOW_BYTES))
+    assert latency_s(0.04, 6.25e6, V) == pytest.approx(expected)
+    # A vector smaller than the path's capacity fills only its own size.
+    small = 2 * 0.04 * (1 + math.log2(100_000 / INITIAL_WINDOW_BYTES))
+    assert latency_s(0.04, 6.25e6, 100_000) == pytest.approx(small)
+    assert latency_s(0.04, 6.25e6, 1000) == pytest.approx(2 * 0.04)  # below one window
+
+
+def test_equal_round_trips_add_one_constant_and_keep_the_shares() -> None:
+    from p2ptrain.allreduce.partition import latency_s
+
+    rates = [80 * MB, 40 * MB, 20 * MB, 10 * MB]
+    plain = [PeerCapacity(r, r) for r in rates]
+    slow = BALANCER.plan(plain, vector_bytes=V, target_batch_size=1)
+    # The binding peer's latency term is added; shares barely move (rtt only
+    # enters through each peer's own term, which differ with the rate).
+    delayed = [PeerCapacity(r, r, rtt_s=0.05) for r in rates]
+    plan = BALANCER.plan(delayed, vector_bytes=V, target_batch_size=1)
+    up, down = transfer_times(plan.shares, delayed, V)
+    assert plan.round_time_s == pytest.approx(max(*up, *down))
+    assert plan.round_time_s >= slow.round_time_s + latency_s(0.05, 10 * MB, V) * (1 - 1e-9)
+    assert plan.round_time_s <= slow.round_time_s + latency_s(0.05, 80 * MB, V) * (1 + 1e-9)
+
+
+def test_a_far_away_peer_is_given_less_to_aggregate() -> None:
+    near = [PeerCapacity(50 * MB, 50 * MB) for _ in range(4)]
+    far = [*near[:3], PeerCapacity(50 * MB, 50 * MB, rtt_s=0.3)]
+    even = BALANCER.plan(near, vector_bytes=V, target_batch_size=1)
+    plan = BALANCER.plan(far, vector_bytes=V, target_batch_size=1)
+    assert even.shares == pytest.approx([0.25] * 4, abs=1e-6)
+    assert plan.shares[3] < 0.25 - 0.01 and all(w > 0.25 for w in plan.shares[:3])
+    # Exact: the far peer binds together with the others.
+    up, down = transfer_times(plan.shares, far, V)
+    assert max(up[3], down[3]) == pytest.approx(plan.round_time_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("rtt", [-0.1, math.nan, math.inf, True])
+def test_a_bad_round_trip_time_is_refused(rtt: float) -> None:
+    with pytest.raises(ConfigError):
+        PeerCapacity(MB, MB, rtt_s=rtt)

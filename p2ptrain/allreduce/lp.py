@@ -6,7 +6,8 @@ stages:
 
 1. **Round time (LP, cvxpy).** ``minimize T`` subject to
    ``upload_i(w)/u_i + L_i ≤ T``, ``download_i(w)/d_i + L_i ≤ T`` (``L_i``
-   the peer's latency term, a constant), ``Σ w = 1``,
+   the peer's latency term, a constant: see
+   :func:`~p2ptrain.allreduce.partition.latency_s`), ``Σ w = 1``,
    ``w ≥ 0`` and ``w_i = 0`` for peers in client mode. The optimum ``T*`` is
    unique; the shares often are not: when the slowest peer binds, a whole
    face of share vectors reaches ``T*`` and solvers return different points
@@ -227,7 +228,7 @@ class _PeerTimes:
         """Times in units of ``unit_s`` seconds (latency terms included in the offsets)."""
         up = vector_bytes / unit_s / coeffs.upload_bytes_per_s
         down = vector_bytes / unit_s / coeffs.download_bytes_per_s
-        latency = coeffs.latency_s / unit_s
+        latency = coeffs.latency_s(vector_bytes) / unit_s
         return cls(
             up_slope=up * coeffs.upload_per_share,
             up_offset=up * coeffs.upload_fixed + latency,

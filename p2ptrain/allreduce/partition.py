@@ -23,9 +23,21 @@ moves in one round (in units of the vector)::
 Both equal ``g_i + (m − 2·g_i)·w_i``, affine in the share. The round lasts as
 long as the slowest transfer: ``T = max_i (max(upload_i / u_i, download_i / d_i) + L_i)``,
 streaming assumed (the two phases overlap). ``L_i`` is the peer's latency
-term (:attr:`PeerCapacity.latency_s`, e.g. a multiple of its largest
-round-trip time to the others): a constant per peer, so every peer's time
-stays affine in its own share and the LP stays exact. The
+term, :func:`latency_s` of its largest round-trip time to the others
+(:attr:`PeerCapacity.rtt_s`), its slower direction and the vector size: a
+constant per peer and plan, so every peer's time stays affine in its own
+share and the LP stays exact.
+
+The latency term. A round is two transfers one after the other on every
+connection, parts out and averages back, and each starts on a connection
+that sat idle since the last round, so TCP (Linux restarts slow start after
+an idle period longer than the retransmission timeout) begins again from
+its initial window of 10 segments. Per phase the model charges one round
+trip for the data to cross, plus one per doubling of the window from
+:data:`INITIAL_WINDOW_BYTES` to what the path holds,
+``min(vector, rate × RTT)``: ``L = 2 · RTT · (1 + log2(window / initial))``.
+On 40 ms paths this is what makes a 1 MiB round cost three times its
+bandwidth time (``bench_allreduce.py``'s RTT rows). The
 derivation and its special cases are in ``docs/load-balancing.md``.
 """
 
@@ -46,10 +58,16 @@ __all__ = [
     "TrafficCoefficients",
     "equal_shares",
     "evaluate_round_time",
+    "latency_s",
     "shares_to_boundaries",
     "traffic_coefficients",
     "transfer_times",
 ]
+
+INITIAL_WINDOW_BYTES = 10 * 1448
+"""TCP's initial congestion window (10 segments of a 1448-byte MSS)."""
+ROUND_PHASES = 2
+"""Transfers one after the other on a connection in a round: parts, then averages."""
 
 SHARE_SUM_TOLERANCE = 1e-6
 """How far from one a share vector's sum may be before it is rejected."""
@@ -81,8 +99,8 @@ class PeerCapacity:
             ``False`` marks an auxiliary peer, which only aggregates. A peer
             that neither computes nor accepts connections has no role and
             moves no data.
-        latency_s: Seconds added to the peer's transfer times in a round
-            (round trips the protocol waits for); finite, at least zero.
+        rtt_s: The largest round-trip time from the peer to the others, in
+            seconds; finite, at least zero (0: latency ignored).
     """
 
     upload_bytes_per_s: float
@@ -90,7 +108,7 @@ class PeerCapacity:
     samples_per_s: float = 0.0
     client_mode: bool = False
     computes: bool = True
-    latency_s: float = 0.0
+    rtt_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive_finite("upload_bytes_per_s", self.upload_bytes_per_s)
@@ -103,11 +121,11 @@ class PeerCapacity:
         for name in ("client_mode", "computes"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        latency = self.latency_s
-        if isinstance(latency, bool) or not isinstance(latency, int | float):
-            raise ConfigError(f"latency_s must be a number, got {latency!r}")
-        if not math.isfinite(latency) or latency < 0:
-            raise ConfigError(f"latency_s must be finite and >= 0, got {latency!r}")
+        rtt = self.rtt_s
+        if isinstance(rtt, bool) or not isinstance(rtt, int | float):
+            raise ConfigError(f"rtt_s must be a number, got {rtt!r}")
+        if not math.isfinite(rtt) or rtt < 0:
+            raise ConfigError(f"rtt_s must be finite and >= 0, got {rtt!r}")
 
     @property
     def can_aggregate(self) -> bool:
@@ -131,7 +149,7 @@ class TrafficCoefficients:
         upload_bytes_per_s: Each peer's upload bandwidth.
         download_bytes_per_s: Each peer's download bandwidth.
         can_aggregate: Whether each peer may be given a non-zero share.
-        latency_s: Each peer's latency term, added to both of its times.
+        rtt_s: Each peer's largest round-trip time.
     """
 
     upload_fixed: FloatArray
@@ -141,7 +159,27 @@ class TrafficCoefficients:
     upload_bytes_per_s: FloatArray
     download_bytes_per_s: FloatArray
     can_aggregate: NDArray[np.bool_]
-    latency_s: FloatArray
+    rtt_s: FloatArray
+
+    def latency_s(self, vector_bytes: float) -> FloatArray:
+        """Each peer's latency term for a vector of ``vector_bytes`` (see :func:`latency_s`)."""
+        rate = np.minimum(self.upload_bytes_per_s, self.download_bytes_per_s)
+        window = np.minimum(float(vector_bytes), rate * self.rtt_s)
+        doublings = np.log2(np.maximum(window / INITIAL_WINDOW_BYTES, 1.0))
+        result: FloatArray = ROUND_PHASES * self.rtt_s * (1.0 + doublings)
+        return result
+
+
+def latency_s(rtt_s: float, bytes_per_s: float, vector_bytes: float) -> float:
+    """Seconds a round costs beyond its transfers on a path of ``rtt_s`` and ``bytes_per_s``.
+
+    ``2 · RTT · (1 + log2(min(vector_bytes, bytes_per_s · RTT) / INITIAL_WINDOW_BYTES))``
+    (the log at least 0): see the module docstring.
+    """
+    if rtt_s <= 0:
+        return 0.0
+    window = min(vector_bytes, bytes_per_s * rtt_s)
+    return ROUND_PHASES * rtt_s * (1.0 + math.log2(max(window / INITIAL_WINDOW_BYTES, 1.0)))
 
 
 def _check_peers(peers: Sequence[PeerCapacity]) -> None:
@@ -188,7 +226,7 @@ def traffic_coefficients(peers: Sequence[PeerCapacity]) -> TrafficCoefficients:
         upload_bytes_per_s=np.array([p.upload_bytes_per_s for p in peers], dtype=np.float64),
         download_bytes_per_s=np.array([p.download_bytes_per_s for p in peers], dtype=np.float64),
         can_aggregate=np.array([peer.can_aggregate for peer in peers], dtype=np.bool_),
-        latency_s=np.array([peer.latency_s for peer in peers], dtype=np.float64),
+        rtt_s=np.array([peer.rtt_s for peer in peers], dtype=np.float64),
     )
 
 
@@ -242,8 +280,9 @@ def transfer_times(
     upload = size * (coeffs.upload_fixed + coeffs.upload_per_share * w)
     download = size * (coeffs.download_fixed + coeffs.download_per_share * w)
     # Clamp the rounding error of 1 − w at w = 1 so that no time is negative.
-    upload_s = np.maximum(upload, 0.0) / coeffs.upload_bytes_per_s + coeffs.latency_s
-    download_s = np.maximum(download, 0.0) / coeffs.download_bytes_per_s + coeffs.latency_s
+    latency = coeffs.latency_s(size)
+    upload_s = np.maximum(upload, 0.0) / coeffs.upload_bytes_per_s + latency
+    download_s = np.maximum(download, 0.0) / coeffs.download_bytes_per_s + latency
     return tuple(float(x) for x in upload_s), tuple(float(x) for x in download_s)
 
 
