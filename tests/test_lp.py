@@ -640,13 +640,15 @@ def test_the_latency_term_follows_its_formula() -> None:
     from p2ptrain.allreduce.partition import INITIAL_WINDOW_BYTES, latency_s
 
     assert latency_s(0.0, 1e9, V) == 0.0
-    # 50 Mbit/s over 40 ms holds 250 kB: 2 RTT · (1 + log2(250 kB / initial window)).
-    expected = 2 * 0.04 * (1 + math.log2(0.04 * 6.25e6 / INITIAL_WINDOW_BYTES))
-    assert latency_s(0.04, 6.25e6, V) == pytest.approx(expected)
+    # 50 Mbit/s over 40 ms holds 250 kB: a round trip and the slow-start ramp, per phase.
+    window = 0.04 * 6.25e6
+    ramp = 0.04 * math.log2(window / INITIAL_WINDOW_BYTES) - 2 * window / 6.25e6
+    assert latency_s(0.04, 6.25e6, V) == pytest.approx(2 * (0.04 + ramp))
     # A vector smaller than the path's capacity fills only its own size.
-    small = 2 * 0.04 * (1 + math.log2(100_000 / INITIAL_WINDOW_BYTES))
-    assert latency_s(0.04, 6.25e6, 100_000) == pytest.approx(small)
+    small = 0.04 * math.log2(100_000 / INITIAL_WINDOW_BYTES) - 2 * 100_000 / 6.25e6
+    assert latency_s(0.04, 6.25e6, 100_000) == pytest.approx(2 * (0.04 + small))
     assert latency_s(0.04, 6.25e6, 1000) == pytest.approx(2 * 0.04)  # below one window
+    assert latency_s(0.001, 6.25e6, V) == pytest.approx(0.002)  # a LAN: the ramp costs nothing
 
 
 def test_equal_round_trips_add_one_constant_and_keep_the_shares() -> None:
@@ -655,14 +657,13 @@ def test_equal_round_trips_add_one_constant_and_keep_the_shares() -> None:
     rates = [80 * MB, 40 * MB, 20 * MB, 10 * MB]
     plain = [PeerCapacity(r, r) for r in rates]
     slow = BALANCER.plan(plain, vector_bytes=V, target_batch_size=1)
-    # The binding peer's latency term is added; shares barely move (rtt only
-    # enters through each peer's own term, which differ with the rate).
     delayed = [PeerCapacity(r, r, rtt_s=0.05) for r in rates]
     plan = BALANCER.plan(delayed, vector_bytes=V, target_batch_size=1)
     up, down = transfer_times(plan.shares, delayed, V)
     assert plan.round_time_s == pytest.approx(max(*up, *down))
-    assert plan.round_time_s >= slow.round_time_s + latency_s(0.05, 10 * MB, V) * (1 - 1e-9)
-    assert plan.round_time_s <= slow.round_time_s + latency_s(0.05, 80 * MB, V) * (1 + 1e-9)
+    # Every peer has the same term (the group's slowest rate sets the ramp): a constant.
+    assert plan.round_time_s == pytest.approx(slow.round_time_s + latency_s(0.05, 10 * MB, V))
+    assert plan.shares == pytest.approx(slow.shares, abs=1e-6)
 
 
 def test_a_far_away_peer_is_given_less_to_aggregate() -> None:

@@ -29,17 +29,23 @@ constant per peer and plan, so every peer's time stays affine in its own
 share and the LP stays exact.
 
 The latency term. A round is two transfers one after the other on every
-connection, parts out and averages back, and each starts on a connection
-that sat idle since the last round, so TCP (Linux restarts slow start after
-an idle period longer than the retransmission timeout) begins again from
-its initial window of 10 segments. Per phase the model charges one round
-trip for the data to cross, plus one per doubling of the window from
-:data:`INITIAL_WINDOW_BYTES` to what the path holds,
-``min(vector, rate × RTT)``: ``L = 2 · RTT · (1 + log2(window / initial))``.
-On 40 ms paths this is what makes a 1 MiB round cost three times its
-bandwidth time (``bench_allreduce.py``'s RTT rows). The
-derivation and its special cases are in ``docs/load-balancing.md``.
-"""
+connection, parts out and averages back: each pays a round trip to cross,
+and each starts on a connection that sat idle since the last round, so TCP
+(Linux restarts slow start after an idle period longer than the
+retransmission timeout) begins again from its initial window of
+:data:`INITIAL_WINDOW_BYTES` and doubles it once per round trip until it
+holds what the path holds, ``window = min(V, r·RTT)``. That takes
+``log2(window / W0)`` round trips, during which about ``2·window`` bytes
+still went out, so a phase loses ``RTT·log2(window / W0) − 2·window / r``
+beyond its bandwidth time. Every connection of the round ends on the
+group's slowest link (a fast peer's streams ramp up no faster than their
+slow partners), so ``r`` is the group's slowest rate::
+
+    L_i = 2·RTT_i + 2·max(0, RTT_i·log2(window_i / W0) − 2·window_i / r_min)
+
+On 40 ms paths with a 50 Mbit/s slowest link that is 0.27 s: more than the
+bandwidth time of a 1 MiB round, a tenth of a 16 MiB one
+(``bench_allreduce.py``'s RTT rows)."""
 
 from __future__ import annotations
 
@@ -163,23 +169,26 @@ class TrafficCoefficients:
 
     def latency_s(self, vector_bytes: float) -> FloatArray:
         """Each peer's latency term for a vector of ``vector_bytes`` (see :func:`latency_s`)."""
-        rate = np.minimum(self.upload_bytes_per_s, self.download_bytes_per_s)
-        window = np.minimum(float(vector_bytes), rate * self.rtt_s)
-        doublings = np.log2(np.maximum(window / INITIAL_WINDOW_BYTES, 1.0))
-        result: FloatArray = ROUND_PHASES * self.rtt_s * (1.0 + doublings)
-        return result
+        slowest = float(np.min(np.minimum(self.upload_bytes_per_s, self.download_bytes_per_s)))
+        return np.array(
+            [latency_s(float(rtt), slowest, vector_bytes) for rtt in self.rtt_s],
+            dtype=np.float64,
+        )
 
 
-def latency_s(rtt_s: float, bytes_per_s: float, vector_bytes: float) -> float:
-    """Seconds a round costs beyond its transfers on a path of ``rtt_s`` and ``bytes_per_s``.
+def latency_s(rtt_s: float, slowest_bytes_per_s: float, vector_bytes: float) -> float:
+    """Seconds a round costs beyond its bandwidth time, for a peer ``rtt_s`` from the others.
 
-    ``2 · RTT · (1 + log2(min(vector_bytes, bytes_per_s · RTT) / INITIAL_WINDOW_BYTES))``
-    (the log at least 0): see the module docstring.
+    ``2·RTT + 2·max(0, RTT·log2(w / W0) − 2·w / r)`` with ``w = min(vector_bytes, r·RTT)``,
+    ``r`` the group's slowest rate and ``W0`` = :data:`INITIAL_WINDOW_BYTES`: a round
+    trip and the slow-start ramp of each of the round's two phases (module docstring).
     """
     if rtt_s <= 0:
         return 0.0
-    window = min(vector_bytes, bytes_per_s * rtt_s)
-    return ROUND_PHASES * rtt_s * (1.0 + math.log2(max(window / INITIAL_WINDOW_BYTES, 1.0)))
+    window = min(vector_bytes, slowest_bytes_per_s * rtt_s)
+    ramp = rtt_s * math.log2(max(window / INITIAL_WINDOW_BYTES, 1.0))
+    ramp -= 2 * window / slowest_bytes_per_s
+    return ROUND_PHASES * (rtt_s + max(ramp, 0.0))
 
 
 def _check_peers(peers: Sequence[PeerCapacity]) -> None:
