@@ -20,6 +20,7 @@ from p2ptrain.measure.estimates import (
     LinkEstimator,
     StreamTiming,
     combined_rate,
+    summed_rate,
 )
 from p2ptrain.measure.meters import ThroughputConfig, ThroughputMeter
 
@@ -31,4 +32,5 @@ __all__ = [
     "ThroughputConfig",
     "ThroughputMeter",
     "combined_rate",
+    "summed_rate",
 ]
