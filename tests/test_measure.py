@@ -15,7 +15,7 @@ from p2ptrain.allreduce import AllReduceService
 from p2ptrain.allreduce.protocol import ResultHeader, TimingAck, parse_result, parse_timing
 from p2ptrain.errors import ConfigError, RemoteProtocolError
 from p2ptrain.measure import ArrivalTimer, EstimatorConfig, LinkEstimator, StreamTiming
-from p2ptrain.measure.estimates import combined_rate, summed_rate
+from p2ptrain.measure.estimates import combined_rate
 from p2ptrain.measure.latency import known_rtts, measure_rtts
 
 MB = 1 << 20
@@ -48,9 +48,6 @@ def test_side_by_side_streams_combine_over_the_longest_span() -> None:
     streams = [StreamTiming(10 * MB, 1.0), StreamTiming(5 * MB, 0.5), StreamTiming(1000, 1e-6)]
     assert combined_rate(streams, min_bytes=MB) == pytest.approx(15 * MB)
     assert combined_rate(streams[2:], min_bytes=MB) is None
-    # Started together (a probe): each stream's own rate, summed.
-    assert summed_rate(streams, min_bytes=MB) == pytest.approx(20 * MB)
-    assert summed_rate(streams[2:], min_bytes=MB) is None
     with pytest.raises(ConfigError):
         StreamTiming(-1, 1.0)
     with pytest.raises(ConfigError):
@@ -91,9 +88,7 @@ def test_a_late_round_replaces_higher_estimates_at_once() -> None:
     assert links.observe_round(*on_time, total_s=1.3, predicted_s=1.0)  # 30 % late
     assert links.upload_bytes_per_s == links.download_bytes_per_s == 10 * MB
     assert links.needs_probe  # the owner should probe again
-    links.observe_probe(
-        [StreamTiming(20 * MB, 1.0), StreamTiming(10 * MB, 0.5)], [StreamTiming(30 * MB, 1.0)]
-    )
+    links.observe_probe([StreamTiming(40 * MB, 1.0)], [StreamTiming(30 * MB, 1.0)])
     assert not links.needs_probe
     assert (links.upload_bytes_per_s, links.download_bytes_per_s) == (40 * MB, 30 * MB)
     assert not links.observe_round(*on_time, total_s=9.0, predicted_s=None)  # no prediction

@@ -20,7 +20,6 @@ from p2ptrain.measure.estimates import (
     LinkEstimator,
     StreamTiming,
     combined_rate,
-    summed_rate,
 )
 from p2ptrain.measure.meters import ThroughputConfig, ThroughputMeter
 
@@ -32,5 +31,4 @@ __all__ = [
     "ThroughputConfig",
     "ThroughputMeter",
     "combined_rate",
-    "summed_rate",
 ]

@@ -8,13 +8,15 @@ its upload from the far end, not from its own socket buffers (which made
 the sender-side :class:`~p2ptrain.measure.meters.ThroughputMeter` see home
 uploads faster than their links).
 
-One round gives one observation per direction: the bytes of the streams
-that moved at least ``min_bytes`` over the longest of their spans (they run
-side by side and share the link; where they did not quite overlap this errs
-low, which the maximum below absorbs, and never high, which it would keep).
-A probe of several peers at once starts its streams together, so their own
-rates are summed: partners of unequal speed finish at different times, and
-the longest span would show only the slowest partner's pace. What a round
+One round, or one probe of several peers at once, gives one observation per
+direction: the bytes of the streams that moved at least ``min_bytes`` over
+the longest of their spans (they run side by side and share the link;
+where they did not quite overlap this errs low, which the maximum below
+absorbs, and never high, which it would keep). Summing the streams' own
+rates instead was tried for probes: on the shaped benchmark it showed
+50 Mbit/s uploads as 55–62 and 100 Mbit/s downloads as up to 277 (short
+streams time the shapers' bursts), and an over-estimate is what a maximum
+keeps. What a round
 shows is a lower bound: a peer whose partners are slower, or whose share is
 small, moves less than its link can carry. So :class:`LinkEstimator` keeps a
 *decayed maximum* per direction, ``estimate ← max(observation, decay ·
@@ -39,14 +41,7 @@ from dataclasses import dataclass
 
 from p2ptrain.errors import ConfigError
 
-__all__ = [
-    "ArrivalTimer",
-    "EstimatorConfig",
-    "LinkEstimator",
-    "StreamTiming",
-    "combined_rate",
-    "summed_rate",
-]
+__all__ = ["ArrivalTimer", "EstimatorConfig", "LinkEstimator", "StreamTiming", "combined_rate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,17 +114,6 @@ def combined_rate(timings: Iterable[StreamTiming], *, min_bytes: int) -> float |
     if not used:
         return None
     return sum(t.nbytes for t in used) / max(t.seconds for t in used)
-
-
-def summed_rate(timings: Iterable[StreamTiming], *, min_bytes: int) -> float | None:
-    """The sum of the streams' own rates: for streams that started together (a probe).
-
-    Partners of unequal speed finish at different times, so the bytes over
-    the longest span would show the slowest partner's pace; the sum shows
-    what the link carried while all of them were running.
-    """
-    used = [t for t in timings if t.nbytes >= min_bytes and t.seconds > 0]
-    return sum(t.nbytes / t.seconds for t in used) if used else None
 
 
 def _optional_rate(name: str, value: float | None) -> None:
@@ -217,7 +201,6 @@ class LinkEstimator:
         uploads: Iterable[StreamTiming] = (),
         downloads: Iterable[StreamTiming] = (),
         late: bool = False,
-        started_together: bool = False,
     ) -> None:
         """Fold one round's (or one probe's) receiver-timed streams into the estimates.
 
@@ -226,13 +209,9 @@ class LinkEstimator:
             downloads: Its incoming streams, as it timed them.
             late: Whether the round took longer than predicted (beyond
                 ``late_tolerance``): lower observations then replace the estimates.
-            started_together: The streams started at the same moment (a
-                probe): their rates are summed (:func:`summed_rate`) rather
-                than combined over the longest span (:func:`combined_rate`).
         """
-        rate_of = summed_rate if started_together else combined_rate
         for direction, timings in ((self._upload, uploads), (self._download, downloads)):
-            rate = rate_of(timings, min_bytes=self.config.min_bytes)
+            rate = combined_rate(timings, min_bytes=self.config.min_bytes)
             if rate is not None:
                 direction.update(rate, self.config.decay, late)
 
@@ -261,7 +240,7 @@ class LinkEstimator:
         self, uploads: Iterable[StreamTiming], downloads: Iterable[StreamTiming]
     ) -> None:
         """A probe of one or more peers at once (it clears :attr:`needs_probe`)."""
-        self.observe(uploads=uploads, downloads=downloads, started_together=True)
+        self.observe(uploads=uploads, downloads=downloads)
         self.needs_probe = False
 
     def record_upload(self, nbytes: int, seconds: float) -> None:
