@@ -212,7 +212,8 @@ def run_adaptive(
             None,
         )
         out["throttle_rounds_to_adapt"] = adapted
-        settled = after[adapted - 1 :] if adapted is not None else after[-1:]
+        # Adapted: from that round on; else every round after the first re-plan.
+        settled = after[adapted - 1 :] if adapted is not None else after[1:]
         out["throttle_s"] = round(statistics.median(r["achieved_s"] for r in settled), 4)
         out["throttle_predicted_s"] = round(throttle_predicted, 4)
         out["throttle_rounds"] = rounds
