@@ -18,7 +18,11 @@ vector is dropped after the check, so that it returns to the buffer pool as
 in training; the reply counts the pool's fresh allocations and the page
 faults of the round, which show buffers that were not recycled.
 ``--pool-mib`` sets how much that pool keeps (``default_pool.max_idle_bytes``),
-``--profile`` runs the peer under cProfile with a CPU clock.
+``--profile`` runs the peer under cProfile with a CPU clock. Every round is
+recorded in the peer's :class:`~p2ptrain.measure.estimates.LinkEstimator`
+(as a swarm peer's service does); ``estimates`` replies with what it would
+announce, ``probe`` runs the start-up probe against a peer into it, ``rtt``
+pings peers, ``forget`` starts a fresh estimator.
 
 gloo: ``init_process_group("gloo")`` through a TCP store at ``--master``
 (rank 0 hosts it); ``go`` runs ``all_reduce(SUM)`` on a fresh copy of the
@@ -77,6 +81,11 @@ async def _serve_p2ptrain(
     import msgpack
 
     from p2ptrain.allreduce import AllReduceConfig, AllReduceService, GroupPlan
+    from p2ptrain.measure import LinkEstimator
+    from p2ptrain.measure.estimates import StreamTiming
+    from p2ptrain.measure.latency import measure_rtts
+    from p2ptrain.measure.probe import probe_peers
+    from p2ptrain.node.address import PeerAddress
     from p2ptrain.node.config import NodeConfig
     from p2ptrain.node.node import Node
     from p2ptrain.wire.buffers import default_pool
@@ -88,7 +97,7 @@ async def _serve_p2ptrain(
     inputs = _Inputs()
     config = AllReduceConfig()  # codec none, plain mean
     async with Node(config=NodeConfig(host=host, insecure_plaintext=plaintext)) as node:
-        service = AllReduceService(node, join_timeout=round_timeout)
+        service = AllReduceService(node, join_timeout=round_timeout, links=LinkEstimator())
         write_message({"hello": str(node.address), "pid": os.getpid()})
         plan: GroupPlan | None = None
         rank = peers = 0
@@ -101,6 +110,37 @@ async def _serve_p2ptrain(
             command = json.loads(line) if line else {"cmd": "quit"}
             if command["cmd"] == "quit":
                 return
+            if command["cmd"] == "forget":
+                service.links = LinkEstimator()
+                write_message({"forgot": True})
+                continue
+            if command["cmd"] == "estimates":
+                links = service.links
+                assert links is not None
+                write_message(
+                    {
+                        "upload": links.upload_bytes_per_s,
+                        "download": links.download_bytes_per_s,
+                        "needs_probe": links.needs_probe,
+                    }
+                )
+                continue
+            if command["cmd"] == "probe":
+                links = service.links
+                assert links is not None
+                targets = [PeerAddress.parse(a) for a in command["targets"]]
+                results = await probe_peers(node, targets, nbytes=command["nbytes"])
+                links.observe_probe(
+                    [StreamTiming(r.nbytes, r.upload_s) for r in results],
+                    [StreamTiming(r.nbytes, r.download_s) for r in results],
+                )
+                write_message({"probed": len(results)})
+                continue
+            if command["cmd"] == "rtt":
+                targets = [PeerAddress.parse(a) for a in command["targets"]]
+                rtts = await measure_rtts(node, targets, pings=5)
+                write_message({"rtt": max(rtts.values(), default=0.0), "peers": len(rtts)})
+                continue
             if command["cmd"] == "prepare":
                 plan = GroupPlan.from_wire(msgpack.unpackb(bytes.fromhex(command["plan"])))
                 rank, peers = command["rank"], command["peers"]

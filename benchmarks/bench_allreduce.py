@@ -5,7 +5,8 @@ Usage::
     python benchmarks/bench_allreduce.py [--sizes 4,64,256] [--repeats 5] [--peers 4]
         [--chunk-kib 4096] [--p2ptrain-pool-mib N] [--profile-dir DIR] [--peer-detail]
         [--hivemind-python PATH | --no-hivemind] [--no-plaintext] [--skip-hetero] [--hetero-mb 16]
-        [--hetero-chunk-kib 256] [--hetero-repeats N] [--png allreduce.png] [--json-only]
+        [--hetero-chunk-kib 256] [--hetero-repeats N] [--shaped-only] [--skip-adaptive]
+        [--png allreduce.png] [--json-only]
 
 **Loopback.** ``--peers`` processes per system average a float32 vector of
 each ``--sizes`` MiB:
@@ -40,7 +41,12 @@ counted in ``retried_rounds``).
 **Heterogeneous bandwidth** (root only; ``--skip-hetero`` to leave it out):
 eight peers in network namespaces with ``tc tbf`` links, the LP's shares
 against equal shares and gloo, each against its model's prediction; see
-``_allreduce_hetero.py`` for the scenario and why it was chosen.
+``_allreduce_hetero.py`` for the scenario and why it was chosen. Then, in
+the same run, the adaptive scenarios of ``_allreduce_adaptive.py``
+(``--skip-adaptive`` leaves them out): the LP fed only by measurement, the
+throttle (the fastest link 1000 → 100 Mbit/s after round 3 of 10), and the
+same peers with 40 ms RTT at 1 and 16 MiB. ``--shaped-only`` runs just the
+shaped part (no loopback rows, no hivemind).
 
 Output: the tables, ratios against the goals, a PNG (``--png``), and as the
 very last line one JSON object. Units: 1 MiB = 2**20 bytes; ``cpu_s_per_GB``
@@ -66,6 +72,7 @@ from p2ptrain.testing.natlab_netns import python_env
 
 if not __package__:  # run as a script: make the benchmarks package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._allreduce_adaptive import ADAPT_TOLERANCE, run_adaptive
 from benchmarks._allreduce_hetero import HeteroResult, run_hetero
 from benchmarks._allreduce_report import (
     Series,
@@ -291,6 +298,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         help="timed rounds per plan on shaped links (default --repeats)",
     )
+    parser.add_argument(
+        "--shaped-only", action="store_true", help="run only the shaped-link part (root)"
+    )
+    parser.add_argument(
+        "--skip-adaptive", action="store_true", help="leave out the measured/throttle/RTT scenarios"
+    )
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one round may take")
     parser.add_argument("--png", default="allreduce.png", help="where to write the plot")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
@@ -310,6 +323,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _adaptive_report(h: dict[str, Any]) -> None:
+    """Print the adaptive scenarios against their goals."""
+    lp, measured = h["lp_s"], h["measured_lp_s"]
+    print("Adaptive (LP fed only by measurement; throttle; RTT)")
+    print(
+        f"  measured-fed LP {measured:.3f} s vs configured-rate LP {lp:.3f} s:"
+        f" {measured / lp - 1:+.1%} (goal within 5 %)"
+    )
+    print(
+        f"  achieved/predicted: configured {lp / h['predicted_s']:.3f},"
+        f" measured {measured / h['measured_predicted_s']:.3f} (goal within 10 %)"
+    )
+    print(
+        f"  throttle: adapted after {h['throttle_rounds_to_adapt']} round(s) (goal <= 3);"
+        f" {h['throttle_s']:.3f} s vs {h['throttle_predicted_s']:.3f} s predicted for the new"
+        f" rates (goal within {ADAPT_TOLERANCE:.0%})"
+    )
+    for row in h["rtt_rows"]:
+        print(
+            f"  {h['rtt_ms']:g} ms RTT, {row['mib']} MiB: {row['achieved_s']:.3f} s vs"
+            f" {row['predicted_s']:.3f} s predicted ({row['achieved_s'] / row['predicted_s']:.2f}x;"
+            f" without the latency term {row['predicted_without_latency_s']:.3f} s;"
+            " goal within 20 %)"
+        )
+    print()
+
+
 def _terminate(signum: int, frame: object) -> None:
     """SIGTERM: unwind like Ctrl-C, so that peers and namespaces are torn down."""
     raise SystemExit(128 + signum)
@@ -321,10 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     torch.set_num_threads(1)
     started = time.monotonic()
-    series = measure_p2ptrain_and_gloo(args)
+    series = [] if args.shaped_only else measure_p2ptrain_and_gloo(args)
     python, hivemind_note = (
         (None, "hivemind skipped (--no-hivemind)")
-        if args.no_hivemind
+        if args.no_hivemind or args.shaped_only
         else find_hivemind_python(args.hivemind_python)
     )
     hivemind_error = None
@@ -350,10 +390,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout=args.timeout,
             log=lambda text: _log(args, text),
         )
-    ratios = loopback_report(args, series, hivemind_note)
+    adaptive = None
+    if hetero_result is not None and not args.skip_adaptive:
+        adaptive = run_adaptive(
+            vector_bytes=int(args.hetero_mb * MiB) // 4 * 4,
+            chunk_bytes=args.hetero_chunk_kib * 1024,
+            repeats=args.hetero_repeats,
+            timeout=args.timeout,
+            log=lambda text: _log(args, text),
+        )
+    ratios = loopback_report(args, series, hivemind_note) if series else {}
     if args.profile_dir and not args.json_only:
         profile_report(args, series)
     hetero = None if hetero_result is None else hetero_report(args, hetero_result)
+    if hetero is not None and adaptive is not None:
+        hetero.update(adaptive)
+        if not args.json_only:
+            _adaptive_report(hetero)
     if hetero_note is not None and not args.json_only:
         print(f"Heterogeneous bandwidth: {hetero_note}")
     if args.png:

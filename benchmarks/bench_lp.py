@@ -1,8 +1,8 @@
 """Benchmark the load-balancing planner: first build versus cached re-solves.
 
 For each group size, a seeded random swarm (log-uniform bandwidths of
-1-100 MB/s, uploads slower than downloads, about 15% of peers in client mode
-and 5% auxiliary) is planned once on a fresh :class:`LoadBalancer` (the
+1-100 MB/s, uploads slower than downloads, round-trip times of 0-100 ms, about
+15% of peers in client mode and 5% auxiliary) is planned once on a fresh :class:`LoadBalancer` (the
 "build": cvxpy problem construction, DPP compilation and the first solve),
 then re-planned ``--resolves`` times with every bandwidth perturbed by up to
 ±20%, re-using the compiled LP. Times are wall-clock milliseconds of the whole
@@ -48,6 +48,7 @@ def random_swarm(size: int, rng: random.Random) -> list[PeerCapacity]:
                 upload_bytes_per_s=download * rng.uniform(0.1, 1.0),
                 download_bytes_per_s=download,
                 samples_per_s=rng.uniform(5, 50),
+                rtt_s=rng.uniform(0.0, 0.1),
                 client_mode=index > 0 and role < 0.15,
                 computes=index == 0 or role < 0.95,
             )
@@ -64,6 +65,7 @@ def perturbed(peers: Sequence[PeerCapacity], rng: random.Random) -> list[PeerCap
             samples_per_s=p.samples_per_s,
             client_mode=p.client_mode,
             computes=p.computes,
+            rtt_s=p.rtt_s,
         )
         for p in peers
     ]

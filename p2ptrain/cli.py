@@ -130,6 +130,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--png", default="p2ptrain-demo-loss.png", help="where to write the loss plot"
     )
     demo.add_argument("--log-dir", help="keep every peer's JSON log lines in this directory")
+    demo.add_argument(
+        "--shaped",
+        action="store_true",
+        help="root only: run the peers in network namespaces with tc-tbf links at their "
+        "rates and a delay; the load balancer is fed only by what the peers measure",
+    )
 
     bootstrap = commands.add_parser(
         "bootstrap",
@@ -413,11 +419,15 @@ def _identity(args: argparse.Namespace) -> Identity | None:
 def _run_demo(args: argparse.Namespace) -> int:
     from p2ptrain.swarm_demo import SwarmDemoConfig, run_swarm_demo  # noqa: PLC0415
 
+    if args.shaped and os.geteuid() != 0:
+        print("p2ptrain demo --shaped needs root (network namespaces and tc)", file=sys.stderr)
+        return 2
     config = SwarmDemoConfig(
         peers=args.peers,
         seconds=args.seconds,
         png=args.png,
         log_dir=args.log_dir,
+        shaped=args.shaped,
     )
     result = run_swarm_demo(config, out=sys.stdout)
     return 0 if result.ok else 1

@@ -12,9 +12,14 @@ with :meth:`Peer.run` (blocking) or :meth:`Peer.submit` (a future)::
         print("others can join with", peer.address)
         value = peer.run(peer.dht.get("run/progress"), timeout=10)
 
-The matchmaker announces the capacity of this peer: bandwidths measured by
-:attr:`Peer.throughput` (the trainers record every all-reduce round in it)
-and the compute throughput set with :meth:`Peer.set_samples_per_s`.
+The matchmaker announces the capacity of this peer: the bandwidths of
+:attr:`Peer.links` (a :class:`~p2ptrain.measure.estimates.LinkEstimator`
+fed by the start-up probe and by every all-reduce round, each transfer timed
+where it arrived; typed-in rates in ``PeerConfig.throughput`` cap it), the
+largest round-trip time seen to another peer (the planner turns it into a
+latency term, :func:`~p2ptrain.allreduce.partition.latency_s`), and the
+compute throughput set with :meth:`Peer.set_samples_per_s`. Each call reads
+the latest estimates, so each round's plan follows the links as they change.
 
 With ``PeerConfig(nat=NATConfig(...))`` the peer also traverses NATs: at
 start it learns whether it is reachable (dial-backs and STUN against its
@@ -41,12 +46,14 @@ from p2ptrain.aio import LoopThread
 from p2ptrain.allreduce.bandwidth import ThroughputConfig, ThroughputMeter
 from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
 from p2ptrain.allreduce.partition import PeerCapacity
-from p2ptrain.allreduce.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, measure_if_unknown
 from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import Identity, PeerID
+from p2ptrain.measure.estimates import EstimatorConfig, LinkEstimator, StreamTiming
+from p2ptrain.measure.latency import known_rtts
+from p2ptrain.measure.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, probe_peers
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
@@ -80,11 +87,12 @@ class PeerConfig:
         dht: The DHT: initial peers to bootstrap from, client mode (a peer
             that cannot accept connections), timings.
         matchmaking: How averaging groups form (window, timeouts, sizes).
-        throughput: How this peer's bandwidth is measured, or explicit rates.
+        throughput: Typed-in rates (optional caps on what is measured); its
+            other fields configure the sender-side :class:`ThroughputMeter`.
         identity_path: A key file (created if absent) so that the peer keeps
             its PeerID across restarts; ``None`` uses a fresh identity.
         default_bytes_per_s: The bandwidth announced for a direction before
-            any transfer was measured.
+            any transfer was measured (and with no typed-in rate).
         join_timeout: Seconds an all-reduce stream from another member may
             wait for this peer to enter the round.
         start_timeout: Seconds :meth:`Peer.start` may take (bootstrap included).
@@ -156,6 +164,13 @@ class Peer:
             identity = Identity.load_or_create(path) if path is not None else Identity.generate()
         self.identity = identity
         self.throughput = ThroughputMeter(self.config.throughput)
+        typed = self.config.throughput
+        self.links = LinkEstimator(
+            EstimatorConfig(
+                upload_cap_bytes_per_s=typed.upload_bytes_per_s,
+                download_cap_bytes_per_s=typed.download_bytes_per_s,
+            )
+        )
         self._loop_thread = LoopThread(use_uvloop=self.config.use_uvloop, name="p2ptrain-peer")
         self._samples_per_s = 0.0
         self._node: Node | None = None
@@ -164,6 +179,7 @@ class Peer:
         self._matchmaker: Matchmaker | None = None
         self._nat: NATService | None = None
         self._probe: asyncio.Task[None] | None = None
+        self._probe_targets: list[PeerAddress] = []
         self._dht_client_mode = self.config.dht.client_mode
         self._state = "new"
 
@@ -223,7 +239,9 @@ class Peer:
         node = Node(identity=self.identity, config=node_config)
         await node.start()
         self._node = node
-        self._service = AllReduceService(node, join_timeout=self.config.join_timeout)
+        self._service = AllReduceService(
+            node, join_timeout=self.config.join_timeout, links=self.links, on_late=self._reprobe
+        )
         dht_config = self.config.dht
         reachability = None
         if nat is not None:
@@ -246,11 +264,19 @@ class Peer:
             capacity=self.capacity,
             client_mode=self.client_mode,
         )
-        if self.config.probe_bytes is not None and dht_config.initial_peers:
-            targets = [PeerAddress.parse(a) for a in dht_config.initial_peers]
-            self._probe = asyncio.get_running_loop().create_task(
-                self._probe_links(targets, self.config.probe_bytes), name="bandwidth-probe"
-            )
+        self._probe_targets = [PeerAddress.parse(a) for a in dht_config.initial_peers]
+        self._reprobe()
+
+    def _reprobe(self) -> None:
+        """Probe the initial peers (at start, and after a round that ran late), one at a time."""
+        nbytes = self.config.probe_bytes
+        if nbytes is None or not self._probe_targets:
+            return
+        if self._probe is not None and not self._probe.done():
+            return
+        self._probe = asyncio.get_running_loop().create_task(
+            self._probe_links(self._probe_targets, nbytes), name="bandwidth-probe"
+        )
 
     async def probed(self) -> None:
         """Wait (on the peer's loop) until the start-up bandwidth probe, if any, is over."""
@@ -258,14 +284,22 @@ class Peer:
             await asyncio.shield(self._probe)
 
     async def _probe_links(self, targets: list[PeerAddress], nbytes: int) -> None:
-        result = await measure_if_unknown(self.throughput, self.node, targets, nbytes=nbytes)
-        if result is not None:
-            logger.info(
-                "measured this peer's links: up %.1f MB/s, down %.1f MB/s (a %.0f MB probe)",
-                result.upload_bytes_per_s / 1e6,
-                result.download_bytes_per_s / 1e6,
-                nbytes / 1e6,
-            )
+        results = await probe_peers(self.node, targets, nbytes=nbytes)
+        if not results:
+            return
+        first = results[0]
+        self.throughput.record_upload(first.nbytes, first.upload_s)
+        self.throughput.record_download(first.nbytes, first.download_s)
+        self.links.observe_probe(
+            [StreamTiming(r.nbytes, r.upload_s) for r in results],
+            [StreamTiming(r.nbytes, r.download_s) for r in results],
+        )
+        logger.info(
+            "measured this peer's links against %d peers: up %.1f MB/s, down %.1f MB/s",
+            len(results),
+            (self.links.upload_bytes_per_s or 0.0) / 1e6,
+            (self.links.download_bytes_per_s or 0.0) / 1e6,
+        )
 
     async def _aclose(self) -> None:
         if self._probe is not None:
@@ -386,11 +420,17 @@ class Peer:
         self._samples_per_s = float(value)
 
     def capacity(self) -> PeerCapacity:
-        """This peer's capacity as the load balancer sees it."""
-        return self.throughput.capacity(
-            default_bytes_per_s=self.config.default_bytes_per_s,
+        """This peer's capacity as the load balancer sees it: the latest estimates."""
+        default = self.config.default_bytes_per_s
+        upload = self.links.upload_bytes_per_s
+        download = self.links.download_bytes_per_s
+        rtts = known_rtts(self._node).values() if self._node is not None else ()
+        return PeerCapacity(
+            upload_bytes_per_s=default if upload is None else upload,
+            download_bytes_per_s=default if download is None else download,
             samples_per_s=self._samples_per_s,
             client_mode=self.client_mode,
+            rtt_s=max(rtts, default=0.0),
         )
 
 

@@ -369,6 +369,7 @@ def run_training_peer(
                 elapsed = time.monotonic() - started
                 stats = trainer.stats
                 final_step = trainer.global_step
+                announced = peer.capacity()  # what matchmaking announced last
         finally:
             screen.done()
             if server is not None:
@@ -385,7 +386,15 @@ def run_training_peer(
             local_rounds=stats.local_rounds,
             syncs=stats.syncs,
         )
-    emit({"event": "end", "time": time.time(), **summary.__dict__})
+    emit(
+        {
+            "event": "end",
+            "time": time.time(),
+            **summary.__dict__,
+            "announced_upload_mbit": announced.upload_bytes_per_s / _MBIT,
+            "announced_download_mbit": announced.download_bytes_per_s / _MBIT,
+        }
+    )
     return summary
 
 

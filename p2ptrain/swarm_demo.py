@@ -7,6 +7,14 @@ last peer joins late, a third into the run, and downloads the swarm's state.
 Every peer writes JSON event lines on its stdout; the demo collects them and
 at the end prints a summary (who joined when, global steps, samples/s, loss)
 and writes a PNG of each peer's loss against time.
+
+With ``shaped=True`` (root; ``p2ptrain demo --shaped``) the rates are real:
+the bootstrap peer and every training peer run in their own network
+namespace of a :class:`~p2ptrain.testing.starlab.StarLab`, with tc-tbf links
+at those rates and ``delay_ms`` of delay on each host's sends, and no peer is
+told a rate: the load balancer gets only what the peers measure (probe and
+rounds). The summary then shows each peer's configured rate next to the
+rate it announced last.
 """
 
 from __future__ import annotations
@@ -21,9 +29,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from p2ptrain.errors import ConfigError, MissingDependencyError
+
+if TYPE_CHECKING:
+    from p2ptrain.testing.starlab import StarLab
 
 __all__ = [
     "PeerRun",
@@ -60,6 +71,10 @@ class SwarmDemoConfig:
         png: Where to write the loss plot.
         log_dir: A directory to keep every peer's JSON lines in, or ``None``.
         bandwidths: (upload, download) Mbit/s per peer, cycled.
+        shaped: Shape real links at those rates in network namespaces (root)
+            and let the peers measure them, instead of announcing them.
+        delay_ms: With ``shaped``: delay of each host's sends (a round trip
+            between two peers is twice this).
     """
 
     peers: int = 4
@@ -71,8 +86,14 @@ class SwarmDemoConfig:
     png: str = "p2ptrain-demo-loss.png"
     log_dir: str | None = None
     bandwidths: tuple[tuple[float, float], ...] = field(default=BANDWIDTHS)
+    shaped: bool = False
+    delay_ms: float = 20.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shaped, bool):
+            raise ConfigError("SwarmDemoConfig.shaped must be a bool")
+        if not (isinstance(self.delay_ms, int | float) and 0 <= self.delay_ms <= 500):
+            raise ConfigError("SwarmDemoConfig.delay_ms must be in [0, 500]")
         if isinstance(self.peers, bool) or not isinstance(self.peers, int) or self.peers < 2:
             raise ConfigError(f"the demo needs at least 2 peers, got {self.peers!r}")
         if self.peers > 32:
@@ -267,7 +288,14 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2ptrain.cli", *args]
 
 
-def _train_argv(config: SwarmDemoConfig, run: PeerRun, join: str, seconds: float) -> list[str]:
+def _train_argv(
+    config: SwarmDemoConfig, run: PeerRun, join: str, seconds: float, host: str = "127.0.0.1"
+) -> list[str]:
+    rates = (
+        []
+        if config.shaped  # measured, never told
+        else ["--upload-mbit", f"{run.upload_mbit:g}", "--download-mbit", f"{run.download_mbit:g}"]
+    )
     return _cli(
         "train",
         "--join",
@@ -280,13 +308,27 @@ def _train_argv(config: SwarmDemoConfig, run: PeerRun, join: str, seconds: float
         str(config.batch_size),
         "--seconds",
         f"{seconds:.1f}",
-        "--upload-mbit",
-        f"{run.upload_mbit:g}",
-        "--download-mbit",
-        f"{run.download_mbit:g}",
+        *rates,
+        "--host",
+        host,
         "--log-json",
         "-",
     )
+
+
+_BOOTSTRAP_MBIT = 1000.0
+"""The bootstrap peer's link in the shaped demo (a well-connected public host)."""
+
+
+def _shaped_lab(config: SwarmDemoConfig, runs: Sequence[PeerRun]) -> StarLab:
+    """Host 0: the bootstrap peer; host i + 1: peer i, linked at its rates."""
+    from p2ptrain.testing.starlab import LinkSpec, StarLab  # noqa: PLC0415
+
+    links = [LinkSpec(_BOOTSTRAP_MBIT, _BOOTSTRAP_MBIT)]
+    links += [LinkSpec(run.upload_mbit, run.download_mbit) for run in runs]
+    lab = StarLab(links, delay_ms=config.delay_ms)
+    lab.start()
+    return lab
 
 
 def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> SwarmDemoResult:
@@ -312,7 +354,26 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
         for i in range(config.peers)
     )
     processes: list[_Process] = []
-    boot = _Process(_cli("bootstrap", "--port", "0"), None, origin)
+    lab = _shaped_lab(config, runs) if config.shaped else None
+
+    def host(index: int) -> str:  # index 0: the bootstrap peer
+        return "127.0.0.1" if lab is None else lab.host_address(index)
+
+    def wrap(index: int, argv: list[str]) -> list[str]:
+        return argv if lab is None else lab.argv(index, argv)
+
+    if lab is None:
+        say(
+            "rates are announced (each peer is told its --upload-mbit/--download-mbit), not "
+            "shaped; as root, `p2ptrain demo --shaped` shapes real links and measures them"
+        )
+    else:
+        say(
+            f"shaped: {len(runs) + 1} network namespaces, tc-tbf links at each peer's rates, "
+            f"{2 * config.delay_ms:g} ms round trips; the load balancer is fed only by "
+            "measurement"
+        )
+    boot = _Process(wrap(0, _cli("bootstrap", "--port", "0", "--host", host(0))), None, origin)
     try:
         line = boot.wait_for_line("--join", _STARTUP_TIMEOUT)
         join = line.split("--join", 1)[1].strip()
@@ -323,18 +384,19 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
             f"after they start training; training {config.seconds:.0f} s, "
             f"target batch {config.target} samples"
         )
-        for run in early:
+        for i, run in enumerate(early):
             run.launched = time.monotonic() - origin
-            processes.append(_Process(_train_argv(config, run, join, config.seconds), run, origin))
+            argv = wrap(i + 1, _train_argv(config, run, join, config.seconds, host(i + 1)))
+            processes.append(_Process(argv, run, origin))
         # The late peer starts a while after the first peers train, and is told
         # to stop (SIGTERM: a clean end with a summary) when they are done.
         first_start = _wait_for_start(processes, _STARTUP_TIMEOUT)
         live = _LiveLine(out, runs, origin)
         live.until(lambda: time.monotonic() - origin >= first_start + config.late_delay)
         late.launched = time.monotonic() - origin
-        late_process = _Process(
-            _train_argv(config, late, join, config.seconds + _STARTUP_TIMEOUT), late, origin
-        )
+        seconds = config.seconds + _STARTUP_TIMEOUT
+        argv = _train_argv(config, late, join, seconds, host(len(runs)))
+        late_process = _Process(wrap(len(runs), argv), late, origin)
         processes.append(late_process)
         live.say(f"{late.name} starts late at {late.launched:.0f} s")
         deadline = origin + first_start + config.seconds + _STARTUP_TIMEOUT
@@ -355,6 +417,8 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
             process.stop()
         boot.stop()
         boot.wait(10)
+        if lab is not None:
+            lab.close()
     wall = time.monotonic() - origin
     if config.log_dir is not None:
         _save_logs(runs, Path(config.log_dir))
@@ -521,7 +585,8 @@ def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
     headers = (
         "peer",
         "PeerID",
-        "up/down Mbit/s",
+        "configured up/down Mbit/s" if config.shaped else "announced up/down Mbit/s",
+        "announced last" if not config.shaped else "measured (announced last)",
         "joined at",
         "global step",
         "local batches",
@@ -540,6 +605,8 @@ def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
                 run.name + (" (late)" if run.late else ""),
                 str(start.get("peer_id", "-")),
                 f"{run.upload_mbit:g}/{run.download_mbit:g}",
+                f"{_fmt(end.get('announced_upload_mbit'), '.0f')}/"
+                f"{_fmt(end.get('announced_download_mbit'), '.0f')}",
                 _fmt(run.joined_at, ".1f") + ("s" if run.joined_at is not None else ""),
                 str(end.get("global_step", "-")),
                 str(end.get("local_steps", "-")),

@@ -17,14 +17,14 @@ from conftest import NodeFactory
 from test_allreduce import make_members, make_plan, weighted_mean
 
 from p2ptrain.allreduce import ThroughputConfig, ThroughputMeter, allreduce
-from p2ptrain.allreduce.probe import (
+from p2ptrain.allreduce.protocol import METHOD, ResultHeader, codec_for
+from p2ptrain.errors import InvalidArgumentError
+from p2ptrain.measure.probe import (
     MAX_PROBE_BYTES,
     PROBE_METHOD,
     measure_if_unknown,
     probe_throughput,
 )
-from p2ptrain.allreduce.protocol import METHOD, ResultHeader, codec_for
-from p2ptrain.errors import InvalidArgumentError
 from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.wire.buffers import BufferPool
@@ -144,8 +144,8 @@ async def test_an_average_still_arriving_when_the_round_ends_cannot_touch_the_re
     fake_transports: list[Any] = []
 
     async def reducer(context: CallContext, stream: RPCStream) -> None:
-        async for _ in stream:  # the hello and the parts
-            pass
+        for _ in range(1 + len(plan.chunks(1))):  # the hello and the parts
+            await stream.recv()
         header, _ = codec_for("none", 1).encode(torch.zeros(stop - start))
         body = ResultHeader(0, (0, 1), (), header).to_body()
         payload = b"\xff" * ((stop - start) * 4)  # NaN everywhere

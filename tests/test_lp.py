@@ -631,3 +631,54 @@ def test_bad_status_becomes_load_balancing_error(monkeypatch: pytest.MonkeyPatch
         LoadBalancer().plan(sym(1.0, 2.0, 3.0), vector_bytes=V, target_batch_size=1)
     assert info.value.status == cp.INFEASIBLE
     assert info.value.solver == "CLARABEL"
+
+
+# -- latency ---------------------------------------------------------------------------------
+
+
+def test_the_latency_term_follows_its_formula() -> None:
+    from p2ptrain.allreduce.partition import INITIAL_WINDOW_BYTES, latency_s
+
+    assert latency_s(0.0, 1e9, V) == 0.0
+    # 50 Mbit/s over 40 ms holds 250 kB: a round trip and the slow-start ramp, per phase.
+    window = 0.04 * 6.25e6
+    ramp = 0.04 * math.log2(window / INITIAL_WINDOW_BYTES) - 2 * window / 6.25e6
+    assert latency_s(0.04, 6.25e6, V) == pytest.approx(2 * (0.04 + ramp))
+    # A vector smaller than the path's capacity fills only its own size.
+    small = 0.04 * math.log2(100_000 / INITIAL_WINDOW_BYTES) - 2 * 100_000 / 6.25e6
+    assert latency_s(0.04, 6.25e6, 100_000) == pytest.approx(2 * (0.04 + small))
+    assert latency_s(0.04, 6.25e6, 1000) == pytest.approx(2 * 0.04)  # below one window
+    assert latency_s(0.001, 6.25e6, V) == pytest.approx(0.002)  # a LAN: the ramp costs nothing
+
+
+def test_equal_round_trips_add_one_constant_and_keep_the_shares() -> None:
+    from p2ptrain.allreduce.partition import latency_s
+
+    rates = [80 * MB, 40 * MB, 20 * MB, 10 * MB]
+    plain = [PeerCapacity(r, r) for r in rates]
+    slow = BALANCER.plan(plain, vector_bytes=V, target_batch_size=1)
+    delayed = [PeerCapacity(r, r, rtt_s=0.05) for r in rates]
+    plan = BALANCER.plan(delayed, vector_bytes=V, target_batch_size=1)
+    up, down = transfer_times(plan.shares, delayed, V)
+    assert plan.round_time_s == pytest.approx(max(*up, *down))
+    # Every peer has the same term (the group's slowest rate sets the ramp): a constant.
+    assert plan.round_time_s == pytest.approx(slow.round_time_s + latency_s(0.05, 10 * MB, V))
+    assert plan.shares == pytest.approx(slow.shares, abs=1e-6)
+
+
+def test_a_far_away_peer_is_given_less_to_aggregate() -> None:
+    near = [PeerCapacity(50 * MB, 50 * MB) for _ in range(4)]
+    far = [*near[:3], PeerCapacity(50 * MB, 50 * MB, rtt_s=0.3)]
+    even = BALANCER.plan(near, vector_bytes=V, target_batch_size=1)
+    plan = BALANCER.plan(far, vector_bytes=V, target_batch_size=1)
+    assert even.shares == pytest.approx([0.25] * 4, abs=1e-6)
+    assert plan.shares[3] < 0.25 - 0.01 and all(w > 0.25 for w in plan.shares[:3])
+    # Exact: the far peer binds together with the others.
+    up, down = transfer_times(plan.shares, far, V)
+    assert max(up[3], down[3]) == pytest.approx(plan.round_time_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("rtt", [-0.1, math.nan, math.inf, True])
+def test_a_bad_round_trip_time_is_refused(rtt: float) -> None:
+    with pytest.raises(ConfigError):
+        PeerCapacity(MB, MB, rtt_s=rtt)

@@ -357,3 +357,13 @@ def test_the_public_api_is_pinned() -> None:
         "traverse",
     ]
     assert all(hasattr(nat, name) for name in nat.__all__)
+
+
+def test_failed_traversals_count_their_attempts_not_their_reasons() -> None:
+    from p2ptrain.nat.stats import TraversalStats
+
+    stats = TraversalStats()
+    stats.record_failure({"tcp-direct": "connection refused", "webrtc": "timed out"})
+    stats.record_failure({"tcp-direct": "connection refused"})
+    assert stats.failed == 2
+    assert dict(stats.fallbacks) == {"tcp-direct": 2, "webrtc": 1}

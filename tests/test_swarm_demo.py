@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,37 @@ def test_a_peer_that_fails_before_training_shows_its_own_error_line() -> None:
     assert "they exited" in message, message
     assert "peer-0: p2ptrain train: error: port 0 in use" in message, message
     assert "peer-1: p2ptrain train: error: port 1 in use" in message, message
+
+
+def test_shaped_config_is_validated_and_the_summary_shows_configured_next_to_measured() -> None:
+    with pytest.raises(ConfigError):
+        SwarmDemoConfig(delay_ms=-1)
+    with pytest.raises(ConfigError):
+        SwarmDemoConfig(shaped=1)  # type: ignore[arg-type]
+    run = PeerRun(name="peer-0", upload_mbit=50, download_mbit=200, late=False, returncode=0)
+    run.events.append(
+        {
+            "event": "end",
+            "global_step": 3,
+            "samples_per_s": 10.0,
+            "announced_upload_mbit": 44.2,
+            "announced_download_mbit": 108.0,
+        }
+    )
+    result = SwarmDemoResult(runs=(run,), png=None, wall_s=1.0)
+    text = format_summary(result, SwarmDemoConfig(peers=2, shaped=True))
+    assert "configured up/down Mbit/s" in text and "measured (announced last)" in text
+    assert "50/200" in text and "44/108" in text
+
+
+def test_the_shaped_demo_needs_root_and_says_so_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from p2ptrain import cli
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # not root, whoever runs the tests
+    assert cli.main(["demo", "--shaped"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "p2ptrain demo --shaped needs root (network namespaces and tc)"
+    ]

@@ -50,10 +50,12 @@ from p2ptrain.allreduce.protocol import (
     Hello,
     PartHeader,
     ResultHeader,
+    TimingAck,
     codec_for,
     decode_values,
     parse_part,
     parse_result,
+    parse_timing,
 )
 from p2ptrain.allreduce.reducer import ChunkResult, ShardReducer
 from p2ptrain.allreduce.report import AllReduceReport, ShardReport
@@ -71,6 +73,7 @@ from p2ptrain.errors import (
     UnavailableError,
 )
 from p2ptrain.identity import PeerID
+from p2ptrain.measure.estimates import ArrivalTimer, StreamTiming
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.wire.buffers import default_pool
@@ -190,6 +193,13 @@ class ButterflyRound:
         self._arriving = 0
         self._arriving_since = 0.0
         self._download_s = 0.0
+        # Per partner, each stream timed where it arrives: results from
+        # reducer j here, parts from sender i here, and what the other ends
+        # timed of this member's streams (parts at j, results at i).
+        self._results_in = {j: ArrivalTimer() for j in self._received}
+        self._parts_in: dict[int, ArrivalTimer] = {}
+        self._uploads: dict[tuple[str, int], StreamTiming] = {}
+        self._acks_pending: set[int] = set()  # senders whose timing has not arrived
         self.bytes_sent = 0
         self.bytes_received = 0
         if self.reducer is not None and self.reducer.done:
@@ -236,11 +246,14 @@ class ButterflyRound:
             chunks = self.plan.chunks(j)
             sends = self.weight > 0 and bool(chunks)
             stream.receive_payloads_into(functools.partial(self._result_buffer, j))
-            await stream.send(self._hello.to_body(), end=not sends)
+            await stream.send(self._hello.to_body(), end=not chunks)
             async with asyncio.TaskGroup() as tasks:
                 if sends:
                     tasks.create_task(self._send_parts(j, stream, chunks))
                 tasks.create_task(self._receive_results(j, stream, chunks))
+            if chunks and j not in self._errors:
+                timing = self._results_in[j].timing()
+                await stream.send(TimingAck(timing.nbytes, timing.seconds).to_body(), end=True)
         except P2PTrainError as exc:
             self._fail_reducer(j, str(exc), exc)
         finally:
@@ -250,11 +263,10 @@ class ButterflyRound:
     async def _send_parts(self, j: int, stream: RPCStream, chunks: list[tuple[int, int]]) -> None:
         codec = codec_for(self.config.codec, self.config.block_size)
         try:
-            last = len(chunks) - 1  # its message also ends our half of the stream
             for k, (lo, hi) in enumerate(chunks):
                 header, payload = codec.encode(self.flat[lo:hi])
                 self._mark(self._send_span)
-                await stream.send(PartHeader(k, header).to_body(), payload, end=k == last)
+                await stream.send(PartHeader(k, header).to_body(), payload)
                 self.bytes_sent += payload.nbytes
                 self._mark(self._send_span)
                 self.observer.part_sent(j, k)
@@ -272,6 +284,8 @@ class ButterflyRound:
                 message = await stream.recv()
                 self._results_read[j] = k + 1
                 self._payload_read(message.payload)
+                if _nbytes(message.payload):
+                    self._results_in[j].read(_nbytes(message.payload), self._loop.time())
                 self._mark(self._recv_span)
                 result = parse_result(
                     message.body, num_chunks=len(chunks), group_size=self.plan.size
@@ -282,6 +296,8 @@ class ButterflyRound:
                     )
                 for sender, reason in result.excluded:
                     self._excluded[j].setdefault(sender, reason)
+                if result.timing is not None:
+                    self._uploads["parts", j] = StreamTiming(*result.timing)
                 header = result.codec_header
                 if result.contributors and header is not None:
                     target = self.out[lo:hi]
@@ -390,7 +406,9 @@ class ButterflyRound:
             return
         self._serving[sender] = stream
         self._writers += 1
-        stream.receive_payloads_into(self._part_arriving)
+        self._acks_pending.add(sender)
+        timer = self._parts_in[sender] = ArrivalTimer()
+        stream.receive_payloads_into(functools.partial(self._part_arriving, timer))
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._read_parts(sender, stream, reducer))
@@ -404,8 +422,11 @@ class ButterflyRound:
             # when every part arrived).
             if not self._closed:
                 self._publish(reducer.exclude(sender, "its stream was cut off"))
+            self._acks_pending.discard(sender)
+            self._notify()
 
     async def _read_parts(self, sender: int, stream: RPCStream, reducer: ShardReducer) -> None:
+        timer = self._parts_in[sender]
         while True:
             try:
                 message = await stream.recv()
@@ -417,7 +438,17 @@ class ButterflyRound:
                 self._publish(reducer.exclude(sender, f"stream failed: {exc}"))
                 return
             self._payload_read(message.payload)
+            if _nbytes(message.payload):
+                timer.read(_nbytes(message.payload), self._loop.time())
             try:
+                ack = parse_timing(message.body)
+                if ack is not None:
+                    if _nbytes(message.payload):
+                        raise RemoteProtocolError("a timing message carries no payload")
+                    self._uploads["results", sender] = StreamTiming(ack.nbytes, ack.seconds)
+                    self._acks_pending.discard(sender)
+                    self._notify()
+                    continue
                 part = parse_part(message.body, num_chunks=reducer.num_chunks)
                 lo, hi = reducer.bounds[part.chunk]
                 values = decode_values(part.codec_header, message.payload, hi - lo)
@@ -441,6 +472,9 @@ class ButterflyRound:
                 await self._wait(functools.partial(_finalized_past, reducer, k))
                 result = reducer.results[k]
                 body, payload = self._encode_result(result, hello)
+                if k == last:
+                    timing = self._parts_in[sender].timing()
+                    body["t"] = [timing.nbytes, timing.seconds]
                 self._mark(self._send_span)
                 await stream.send(body, payload, end=k == last)
                 self.bytes_sent += _nbytes(payload)
@@ -476,8 +510,10 @@ class ButterflyRound:
                 await self._wait(lambda: reducer.done)
         except TimeoutError:
             self._publish(reducer.expire())
-        # Every sender that can still want results has joined by now.
-        await self._wait(lambda: self._writers == 0)
+        # Every sender that can still want results has joined by now; its
+        # timing of our results ends its stream.
+        # A sender left out (stalled, failed) is not waited for.
+        await self._wait(lambda: self._writers == 0 and not self._awaited_acks())
 
     def _publish(self, finalized: list[ChunkResult]) -> None:
         if not finalized:
@@ -489,6 +525,10 @@ class ButterflyRound:
             self._shard_done_at = self._loop.time()
         self._notify()
 
+    def _awaited_acks(self) -> set[int]:
+        left_out = self._excluded[self.index].keys() | self._failed.keys()
+        return self._acks_pending - left_out
+
     # -- plumbing ----------------------------------------------------------------------
 
     async def _wait(self, predicate: Callable[[], bool]) -> None:
@@ -499,8 +539,9 @@ class ButterflyRound:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    def _part_arriving(self, body: object, nbytes: int) -> None:
+    def _part_arriving(self, timer: ArrivalTimer, body: object, nbytes: int) -> None:
         self._payload_arriving()
+        timer.arriving(self._loop.time())
 
     def _payload_arriving(self) -> None:
         if self._arriving == 0:
@@ -575,6 +616,10 @@ class ButterflyRound:
             send_s=_span(self._send_span),
             receive_s=self._download_s or _span(self._recv_span),
             predicted_s=self.plan.predicted_time,
+            upload_streams=tuple(self._uploads.values()),
+            download_streams=tuple(
+                t.timing() for t in [*self._results_in.values(), *self._parts_in.values()]
+            ),
         )
 
 

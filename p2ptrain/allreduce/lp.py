@@ -5,7 +5,9 @@ own share ``w_i`` (see :mod:`p2ptrain.allreduce.partition`). A plan takes two
 stages:
 
 1. **Round time (LP, cvxpy).** ``minimize T`` subject to
-   ``upload_i(w) ≤ u_i·T``, ``download_i(w) ≤ d_i·T``, ``Σ w = 1``,
+   ``upload_i(w)/u_i + L_i ≤ T``, ``download_i(w)/d_i + L_i ≤ T`` (``L_i``
+   the peer's latency term, a constant: see
+   :func:`~p2ptrain.allreduce.partition.latency_s`), ``Σ w = 1``,
    ``w ≥ 0`` and ``w_i = 0`` for peers in client mode. The optimum ``T*`` is
    unique; the shares often are not: when the slowest peer binds, a whole
    face of share vectors reaches ``T*`` and solvers return different points
@@ -222,14 +224,16 @@ class _PeerTimes:
     down_offset: FloatArray
 
     @classmethod
-    def of(cls, coeffs: TrafficCoefficients, bytes_per_unit: float) -> _PeerTimes:
-        up = bytes_per_unit / coeffs.upload_bytes_per_s
-        down = bytes_per_unit / coeffs.download_bytes_per_s
+    def of(cls, coeffs: TrafficCoefficients, vector_bytes: float, unit_s: float) -> _PeerTimes:
+        """Times in units of ``unit_s`` seconds (latency terms included in the offsets)."""
+        up = vector_bytes / unit_s / coeffs.upload_bytes_per_s
+        down = vector_bytes / unit_s / coeffs.download_bytes_per_s
+        latency = coeffs.latency_s(vector_bytes) / unit_s
         return cls(
             up_slope=up * coeffs.upload_per_share,
-            up_offset=up * coeffs.upload_fixed,
+            up_offset=up * coeffs.upload_fixed + latency,
             down_slope=down * coeffs.download_per_share,
-            down_offset=down * coeffs.download_fixed,
+            down_offset=down * coeffs.download_fixed + latency,
         )
 
     def masked(self, keep: FloatArray) -> _PeerTimes:
@@ -433,11 +437,11 @@ class LoadBalancer:
         # T* and within a small factor of it, so the LP sees T* near one even
         # when a very slow peer would make equal shares absurdly slow. (Both
         # are 0 only when a lone computing peer aggregates everything.)
-        seconds = _PeerTimes.of(coeffs, vector_bytes)
+        seconds = _PeerTimes.of(coeffs, vector_bytes, 1.0)
         simple = min((reference, evenly), key=seconds.round_time)
         unit = seconds.round_time(simple)
         if unit > 0:
-            times = _PeerTimes.of(coeffs, vector_bytes / unit)
+            times = _PeerTimes.of(coeffs, vector_bytes, unit)
             # Stage one: the optimal round time, evaluated exactly on the
             # solver's shares (made valid) so that it is achievable; the
             # simple split stands in should the solver's be slower. Slopes of

@@ -150,6 +150,7 @@ def _capacity_to_wire(capacity: PeerCapacity) -> dict[str, Any]:
         "d": capacity.download_bytes_per_s,
         "s": capacity.samples_per_s,
         "x": capacity.computes,
+        "r": capacity.rtt_s,
     }
 
 
@@ -167,6 +168,7 @@ def _parse_candidate(subkey: bytes, value: Any) -> _Candidate | None:
             samples_per_s=float(value.get("s", 0.0)),
             client_mode=address is None,
             computes=bool(value.get("x", True)),
+            rtt_s=float(value.get("r", 0.0)),
         )
     except (KeyError, TypeError, ValueError, P2PTrainError):
         return None

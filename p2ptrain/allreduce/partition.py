@@ -21,10 +21,31 @@ moves in one round (in units of the vector)::
     download_i = w_i·(m − g_i)  [parts, reduce-scatter]      + g_i·(1 − w_i)  [results, all-gather]
 
 Both equal ``g_i + (m − 2·g_i)·w_i``, affine in the share. The round lasts as
-long as the slowest transfer: ``T = max_i max(upload_i / u_i, download_i / d_i)``,
-streaming assumed (the two phases overlap, latency is ignored). The
-derivation and its special cases are in ``docs/load-balancing.md``.
-"""
+long as the slowest transfer: ``T = max_i (max(upload_i / u_i, download_i / d_i) + L_i)``,
+streaming assumed (the two phases overlap). ``L_i`` is the peer's latency
+term, :func:`latency_s` of its largest round-trip time to the others
+(:attr:`PeerCapacity.rtt_s`), its slower direction and the vector size: a
+constant per peer and plan, so every peer's time stays affine in its own
+share and the LP stays exact.
+
+The latency term. A round is two transfers one after the other on every
+connection, parts out and averages back: each pays a round trip to cross,
+and each starts on a connection that sat idle since the last round, so TCP
+(Linux restarts slow start after an idle period longer than the
+retransmission timeout) begins again from its initial window of
+:data:`INITIAL_WINDOW_BYTES` and doubles it once per round trip until it
+holds what the path holds, ``window = min(V, r·RTT)``. That takes
+``log2(window / W0)`` round trips, during which about ``2·window`` bytes
+still went out, so a phase loses ``RTT·log2(window / W0) − 2·window / r``
+beyond its bandwidth time. Every connection of the round ends on the
+group's slowest link (a fast peer's streams ramp up no faster than their
+slow partners), so ``r`` is the group's slowest rate::
+
+    L_i = 2·RTT_i + 2·max(0, RTT_i·log2(window_i / W0) − 2·window_i / r_min)
+
+On 40 ms paths with a 50 Mbit/s slowest link that is 0.27 s: more than the
+bandwidth time of a 1 MiB round, a tenth of a 16 MiB one
+(``bench_allreduce.py``'s RTT rows)."""
 
 from __future__ import annotations
 
@@ -43,10 +64,16 @@ __all__ = [
     "TrafficCoefficients",
     "equal_shares",
     "evaluate_round_time",
+    "latency_s",
     "shares_to_boundaries",
     "traffic_coefficients",
     "transfer_times",
 ]
+
+INITIAL_WINDOW_BYTES = 10 * 1448
+"""TCP's initial congestion window (10 segments of a 1448-byte MSS)."""
+ROUND_PHASES = 2
+"""Transfers one after the other on a connection in a round: parts, then averages."""
 
 SHARE_SUM_TOLERANCE = 1e-6
 """How far from one a share vector's sum may be before it is rejected."""
@@ -78,6 +105,8 @@ class PeerCapacity:
             ``False`` marks an auxiliary peer, which only aggregates. A peer
             that neither computes nor accepts connections has no role and
             moves no data.
+        rtt_s: The largest round-trip time from the peer to the others, in
+            seconds; finite, at least zero (0: latency ignored).
     """
 
     upload_bytes_per_s: float
@@ -85,6 +114,7 @@ class PeerCapacity:
     samples_per_s: float = 0.0
     client_mode: bool = False
     computes: bool = True
+    rtt_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive_finite("upload_bytes_per_s", self.upload_bytes_per_s)
@@ -97,6 +127,11 @@ class PeerCapacity:
         for name in ("client_mode", "computes"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        rtt = self.rtt_s
+        if isinstance(rtt, bool) or not isinstance(rtt, int | float):
+            raise ConfigError(f"rtt_s must be a number, got {rtt!r}")
+        if not math.isfinite(rtt) or rtt < 0:
+            raise ConfigError(f"rtt_s must be finite and >= 0, got {rtt!r}")
 
     @property
     def can_aggregate(self) -> bool:
@@ -120,6 +155,7 @@ class TrafficCoefficients:
         upload_bytes_per_s: Each peer's upload bandwidth.
         download_bytes_per_s: Each peer's download bandwidth.
         can_aggregate: Whether each peer may be given a non-zero share.
+        rtt_s: Each peer's largest round-trip time.
     """
 
     upload_fixed: FloatArray
@@ -129,6 +165,30 @@ class TrafficCoefficients:
     upload_bytes_per_s: FloatArray
     download_bytes_per_s: FloatArray
     can_aggregate: NDArray[np.bool_]
+    rtt_s: FloatArray
+
+    def latency_s(self, vector_bytes: float) -> FloatArray:
+        """Each peer's latency term for a vector of ``vector_bytes`` (see :func:`latency_s`)."""
+        slowest = float(np.min(np.minimum(self.upload_bytes_per_s, self.download_bytes_per_s)))
+        return np.array(
+            [latency_s(float(rtt), slowest, vector_bytes) for rtt in self.rtt_s],
+            dtype=np.float64,
+        )
+
+
+def latency_s(rtt_s: float, slowest_bytes_per_s: float, vector_bytes: float) -> float:
+    """Seconds a round costs beyond its bandwidth time, for a peer ``rtt_s`` from the others.
+
+    ``2·RTT + 2·max(0, RTT·log2(w / W0) − 2·w / r)`` with ``w = min(vector_bytes, r·RTT)``,
+    ``r`` the group's slowest rate and ``W0`` = :data:`INITIAL_WINDOW_BYTES`: a round
+    trip and the slow-start ramp of each of the round's two phases (module docstring).
+    """
+    if rtt_s <= 0:
+        return 0.0
+    window = min(vector_bytes, slowest_bytes_per_s * rtt_s)
+    ramp = rtt_s * math.log2(max(window / INITIAL_WINDOW_BYTES, 1.0))
+    ramp -= 2 * window / slowest_bytes_per_s
+    return ROUND_PHASES * (rtt_s + max(ramp, 0.0))
 
 
 def _check_peers(peers: Sequence[PeerCapacity]) -> None:
@@ -175,6 +235,7 @@ def traffic_coefficients(peers: Sequence[PeerCapacity]) -> TrafficCoefficients:
         upload_bytes_per_s=np.array([p.upload_bytes_per_s for p in peers], dtype=np.float64),
         download_bytes_per_s=np.array([p.download_bytes_per_s for p in peers], dtype=np.float64),
         can_aggregate=np.array([peer.can_aggregate for peer in peers], dtype=np.bool_),
+        rtt_s=np.array([peer.rtt_s for peer in peers], dtype=np.float64),
     )
 
 
@@ -204,7 +265,7 @@ def _check_shares(shares: Sequence[float], count: int) -> FloatArray:
 def transfer_times(
     shares: Sequence[float], peers: Sequence[PeerCapacity], vector_bytes: float
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Predict how long each peer uploads and downloads in one round.
+    """Predict how long each peer uploads and downloads in one round (its latency included).
 
     Args:
         shares: One share per peer: at least zero, summing to one, zero for
@@ -228,8 +289,9 @@ def transfer_times(
     upload = size * (coeffs.upload_fixed + coeffs.upload_per_share * w)
     download = size * (coeffs.download_fixed + coeffs.download_per_share * w)
     # Clamp the rounding error of 1 − w at w = 1 so that no time is negative.
-    upload_s = np.maximum(upload, 0.0) / coeffs.upload_bytes_per_s
-    download_s = np.maximum(download, 0.0) / coeffs.download_bytes_per_s
+    latency = coeffs.latency_s(size)
+    upload_s = np.maximum(upload, 0.0) / coeffs.upload_bytes_per_s + latency
+    download_s = np.maximum(download, 0.0) / coeffs.download_bytes_per_s + latency
     return tuple(float(x) for x in upload_s), tuple(float(x) for x in download_s)
 
 

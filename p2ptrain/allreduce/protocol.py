@@ -4,10 +4,16 @@ One RPC stream, method :data:`METHOD`, runs from every sender to every reducer
 (a member that owns a non-empty part). On it, in order:
 
 * sender → reducer: a :class:`Hello`, then one part message per chunk of the
-  reducer's part (none when the sender's weight is 0), then the end of the
-  sender's half of the stream;
+  reducer's part (none when the sender's weight is 0), then, once every
+  result arrived, a :class:`TimingAck` that ends the sender's half of the
+  stream (with no chunks at all, the hello ends it);
 * reducer → sender: one result message per chunk, in chunk order, as soon as
-  that chunk is reduced.
+  that chunk is reduced; the last one carries how the reducer timed the
+  sender's parts.
+
+The timings (payload bytes, seconds in flight, on the receiver's clock) let
+each peer learn its upload rate where its bytes arrive
+(:mod:`p2ptrain.measure.estimates`).
 
 Bodies are msgpack maps with short keys; tensor data travels as the raw
 payload of a message, encoded by a codec of
@@ -45,10 +51,12 @@ __all__ = [
     "Hello",
     "PartHeader",
     "ResultHeader",
+    "TimingAck",
     "codec_for",
     "decode_values",
     "parse_part",
     "parse_result",
+    "parse_timing",
 ]
 
 METHOD: Final = "allreduce/v1"
@@ -180,12 +188,15 @@ class ResultHeader:
         excluded: ``(member index, reason)`` of each sender the reducer left
             out for the first time while reducing this chunk.
         codec_header: The codec's header for the payload; None when empty.
+        timing: On the last result only: the sender's part bytes and the
+            seconds they were in flight, as the reducer timed them.
     """
 
     chunk: int
     contributors: tuple[int, ...]
     excluded: tuple[tuple[int, str], ...] = ()
     codec_header: Mapping[str, Any] | None = None
+    timing: tuple[int, float] | None = None
 
     def to_body(self) -> dict[str, Any]:
         """The message body."""
@@ -194,12 +205,14 @@ class ResultHeader:
             body["e"] = [[index, reason[:MAX_REASON]] for index, reason in self.excluded]
         if self.codec_header is not None:
             body["h"] = self.codec_header
+        if self.timing is not None:
+            body["t"] = [self.timing[0], float(self.timing[1])]
         return body
 
 
 def parse_result(body: object, *, num_chunks: int, group_size: int) -> ResultHeader:
     """Validate a received result body (the payload is checked when decoded)."""
-    data = _map(body, "result", {"i", "x"}, frozenset({"e", "h"}))
+    data = _map(body, "result", {"i", "x"}, frozenset({"e", "h", "t"}))
     chunk = _int(data["i"], "chunk index", 0, max(num_chunks - 1, 0))
     raw = data["x"]
     if not isinstance(raw, list) or len(raw) > group_size:
@@ -220,7 +233,49 @@ def parse_result(body: object, *, num_chunks: int, group_size: int) -> ResultHea
         raise RemoteProtocolError("a result with contributors needs a codec header")
     if not contributors and header is not None:
         raise RemoteProtocolError("a result without contributors carries no values")
-    return ResultHeader(chunk, contributors, tuple(excluded), header)
+    timing = _timing(data["t"]) if "t" in data else None
+    return ResultHeader(chunk, contributors, tuple(excluded), header, timing)
+
+
+_MAX_TIMED_BYTES = 1 << 50
+_MAX_TIMED_SECONDS = 1e6
+
+
+def _timing(value: object) -> tuple[int, float]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise RemoteProtocolError(f"a timing must be [bytes, seconds], got {short_repr(value)}")
+    nbytes = _int(value[0], "timed bytes", 0, _MAX_TIMED_BYTES)
+    seconds = value[1]
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise RemoteProtocolError(f"timed seconds must be a number, got {short_repr(seconds)}")
+    if not (math.isfinite(seconds) and 0 <= seconds <= _MAX_TIMED_SECONDS):
+        raise RemoteProtocolError(f"timed seconds out of range: {short_repr(seconds)}")
+    return nbytes, float(seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class TimingAck:
+    """The sender's last message: how it timed the reducer's results (no payload).
+
+    Attributes:
+        nbytes: Result payload bytes received from the reducer.
+        seconds: Seconds they were in flight, on the sender's clock.
+    """
+
+    nbytes: int
+    seconds: float
+
+    def to_body(self) -> dict[str, Any]:
+        """The message body."""
+        return {"t": [self.nbytes, float(self.seconds)]}
+
+
+def parse_timing(body: object) -> TimingAck | None:
+    """The :class:`TimingAck` in ``body``, or None when ``body`` is not one (a part, say)."""
+    if not isinstance(body, Mapping) or "t" not in body:
+        return None
+    data = _map(body, "timing", {"t"}, frozenset())
+    return TimingAck(*_timing(data["t"]))
 
 
 def decode_values(

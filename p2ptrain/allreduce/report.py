@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2ptrain.identity import PeerID
+from p2ptrain.measure.estimates import StreamTiming
 
 __all__ = ["AllReduceReport", "ShardReport"]
 
@@ -90,6 +91,10 @@ class AllReduceReport:
             bytes: from the first to the last payload read). ``bytes_received``
             over it is the download rate achieved while receiving.
         predicted_s: The plan's predicted round time, if any.
+        upload_streams: This member's outgoing streams (parts to each
+            reducer, results to each sender) as their receivers timed them
+            and reported back: bytes and seconds in flight.
+        download_streams: Its incoming streams, timed here the same way.
     """
 
     round_id: bytes
@@ -106,6 +111,8 @@ class AllReduceReport:
     send_s: float
     receive_s: float
     predicted_s: float | None
+    upload_streams: tuple[StreamTiming, ...] = ()
+    download_streams: tuple[StreamTiming, ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -136,4 +143,6 @@ class AllReduceReport:
             "send_s": self.send_s,
             "receive_s": self.receive_s,
             "predicted_s": self.predicted_s,
+            "upload_streams": [[t.nbytes, t.seconds] for t in self.upload_streams],
+            "download_streams": [[t.nbytes, t.seconds] for t in self.download_streams],
         }

@@ -18,7 +18,7 @@ import logging
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, overload
 
 import torch
@@ -26,7 +26,6 @@ import torch
 from p2ptrain.allreduce.butterfly import ButterflyRound, RoundObserver
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.group import GroupPlan
-from p2ptrain.allreduce.probe import PROBE_METHOD, serve_probes
 from p2ptrain.allreduce.protocol import METHOD, Hello
 from p2ptrain.allreduce.report import AllReduceReport
 from p2ptrain.allreduce.vector import flatten, unflatten
@@ -40,6 +39,8 @@ from p2ptrain.errors import (
     StreamEndedError,
 )
 from p2ptrain.identity import PeerID
+from p2ptrain.measure.estimates import LinkEstimator
+from p2ptrain.measure.probe import PROBE_METHOD, serve_probes
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
@@ -60,7 +61,7 @@ class _Waiting:
 class AllReduceService:
     """Serves the all-reduce RPC of one node and runs its rounds.
 
-    It also answers bandwidth probes (:mod:`p2ptrain.allreduce.probe`).
+    It also answers bandwidth probes (:mod:`p2ptrain.measure.probe`).
 
     Args:
         node: The node; the service registers its handler right away.
@@ -70,6 +71,10 @@ class AllReduceService:
             at once (more are refused with ``resource_exhausted``).
         remember_rounds: Finished round ids remembered, so that late streams
             are refused at once and round ids are never reused.
+        links: Where every round's receiver-timed streams are recorded (the
+            estimates this peer announces), or None.
+        on_late: Called after a round that ran late against its prediction
+            (the owner of ``links`` may probe again).
 
     Raises:
         ConfigError: The node already serves the all-reduce method, or a bad
@@ -87,6 +92,8 @@ class AllReduceService:
         join_timeout: float = 10.0,
         max_waiting_rounds: int = 64,
         remember_rounds: int = 1024,
+        links: LinkEstimator | None = None,
+        on_late: Callable[[], None] | None = None,
     ) -> None:
         if not (math.isfinite(join_timeout) and join_timeout > 0):
             raise ConfigError("join_timeout must be positive and finite")
@@ -94,6 +101,8 @@ class AllReduceService:
             raise ConfigError("max_waiting_rounds and remember_rounds must be at least 1")
         self.node = node
         self.join_timeout = join_timeout
+        self.links = links
+        self.on_late = on_late
         self._max_waiting = max_waiting_rounds
         self._remember = remember_rounds
         self._rounds: dict[bytes, ButterflyRound] = {}
@@ -209,6 +218,15 @@ class AllReduceService:
             self._finished[round_id] = None
             while len(self._finished) > self._remember:
                 self._finished.popitem(last=False)
+        if self.links is not None:
+            late = self.links.observe_round(
+                report.upload_streams,
+                report.download_streams,
+                total_s=report.total_s,
+                predicted_s=report.predicted_s,
+            )
+            if late and self.on_late is not None:
+                self.on_late()
         return unflatten(out, layout), report
 
     # -- the handler -------------------------------------------------------------------

@@ -45,4 +45,4 @@ class TraversalStats:
     def record_failure(self, attempts: dict[str, str]) -> None:
         """Count a traversal in which every attempt (the keys of ``attempts``) failed."""
         self.failed += 1
-        self.fallbacks.update(attempts)
+        self.fallbacks.update(attempts.keys())  # a mapping would add its reasons as counts

@@ -98,6 +98,8 @@ class Connection:
         self.last_received = self._loop.time()
         self.idle_since: float | None = self._loop.time()
         self.going_away = False
+        self.rtt_s: float | None = None
+        """The smallest PING round-trip time seen on this connection (None before one)."""
         self._close_callbacks: list[Callable[[Connection], None]] = []
         transport.set_receiver(self)
         transport.set_payload_allocator(self._payload_buffer)
@@ -181,7 +183,9 @@ class Connection:
             raise TransportTimeoutError(f"{self.remote_peer.short} did not answer a ping") from exc
         finally:
             self._pings.pop(nonce, None)
-        return self._loop.time() - start
+        rtt = self._loop.time() - start
+        self.rtt_s = rtt if self.rtt_s is None else min(self.rtt_s, rtt)
+        return rtt
 
     async def aclose(self) -> None:
         """Close: reset open streams, stop handlers, tear the transport down."""

@@ -1,7 +1,7 @@
 """A short bandwidth probe, for a peer that has not measured its links yet.
 
 Until a peer has taken part in an all-reduce round, its
-:class:`~p2ptrain.allreduce.bandwidth.ThroughputMeter` has nothing to report
+:class:`~p2ptrain.measure.meters.ThroughputMeter` has nothing to report
 and matchmaking would announce a guess. :func:`probe_throughput` measures
 both directions against one other peer instead, each where the bytes arrive:
 
@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
-from p2ptrain.allreduce.bandwidth import ThroughputMeter
 from p2ptrain.errors import ConfigError, P2PTrainError, RemoteProtocolError
+from p2ptrain.measure.meters import ThroughputMeter
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.handlers import CallContext
@@ -38,6 +38,7 @@ __all__ = [
     "PROBE_METHOD",
     "ProbeResult",
     "measure_if_unknown",
+    "probe_peers",
     "probe_throughput",
     "serve_probes",
 ]
@@ -159,6 +160,33 @@ async def probe_throughput(
     if upload_s <= 0 or download_s <= 0:
         raise P2PTrainError("this transport cannot time arrivals: nothing measured")
     return ProbeResult(nbytes, float(upload_s), download_s)
+
+
+async def probe_peers(
+    node: Node,
+    targets: list[PeerAddress],
+    *,
+    nbytes: int = DEFAULT_PROBE_BYTES,
+    timeout: float = 10.0,
+) -> list[ProbeResult]:
+    """Probe every target at once, ``nbytes`` split among them; what those that answered gave.
+
+    Run at the same time, the probes share this peer's links: together they
+    show what its links carried towards (and from) all of them, which a
+    single slow partner would hide. Each target gets at least 1 MiB.
+    """
+    if not targets:
+        return []
+    each = max(nbytes // len(targets), min(nbytes, 1 << 20))
+
+    async def one(target: PeerAddress) -> ProbeResult | None:
+        try:
+            return await probe_throughput(node, target, nbytes=each, timeout=timeout)
+        except P2PTrainError:
+            return None
+
+    results = await asyncio.gather(*(one(t) for t in targets))
+    return [r for r in results if r is not None]
 
 
 async def measure_if_unknown(
