@@ -25,7 +25,13 @@ import torch
 from p2ptrain.errors import CheckpointError, ConfigError, StateSyncError
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
-from p2ptrain.train.collaboration import Collaboration, SwarmSettings, TrainerStats
+from p2ptrain.train.averaging import RoundOutcome
+from p2ptrain.train.collaboration import (
+    Collaboration,
+    StepRecord,
+    SwarmSettings,
+    TrainerStats,
+)
 from p2ptrain.train.policy import Action
 from p2ptrain.train.progress import SwarmProgress
 from p2ptrain.train.state import (
@@ -110,6 +116,7 @@ class SwarmTrainer(ABC):
         self._step = 0
         self._samples = 0
         self._collab: Collaboration | None = None
+        self._outcome: RoundOutcome | None = None
 
     @abstractmethod
     def step(self, batch_size: int) -> bool:
@@ -134,8 +141,13 @@ class SwarmTrainer(ABC):
         """Install a state (called under the lock); StateSyncError if it does not fit."""
 
     @abstractmethod
-    def _global_step(self) -> None:
-        """Average with the swarm and apply the step (the lock is not held)."""
+    def _global_step(self) -> bool:
+        """Average with the swarm and apply the step (the lock is not held).
+
+        Returns:
+            Whether the parameters changed (a trainer may average in the
+            background and apply the step at a later call).
+        """
 
     @property
     def _blocked(self) -> bool:
@@ -181,6 +193,11 @@ class SwarmTrainer(ABC):
     def local_samples(self) -> int:
         """Samples accumulated toward the next step."""
         return self._samples
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """The samples of the latest swarm step this peer applied (``None`` before one)."""
+        return None if self._collab is None else self._collab.last_step
 
     @property
     def stats(self) -> TrainerStats:
@@ -264,8 +281,7 @@ class SwarmTrainer(ABC):
             step=self._step, samples=self._samples, blocked=blocked, num_elements=num_elements
         )
         if action is Action.STEP:
-            self._global_step()
-            return True
+            return self._global_step()
         if action is Action.SYNC:
             return self.sync_state()
         return False
@@ -277,15 +293,21 @@ class SwarmTrainer(ABC):
             The average, or ``None`` when this peer missed the swarm's group
             and downloaded the swarm's state instead (then nothing is applied).
         """
+        averaged, outcome = self._collaboration.average(self._step, vector, weight)
+        return self._settle(averaged, outcome)
+
+    def _settle(self, averaged: torch.Tensor, outcome: RoundOutcome) -> torch.Tensor | None:
+        """What :meth:`_average` returns, given the all-reduce's result for the current step."""
         collab = self._collaboration
         step = self._step
-        averaged, outcome = collab.average(step, vector, weight)
+        self._outcome = outcome
         if outcome.fallback is not None and collab.moved_past(step):
             logger.warning("step %d happened without this peer; downloading the state", step)
             if self.sync_state():
                 return None
         return averaged
 
-    def _stepped(self) -> None:
-        self._samples = 0
-        self._collaboration.stepped(self._step)
+    def _stepped(self, *, carried: int = 0, step_samples: int | None = None, own: int = 0) -> None:
+        """The step was applied; ``carried`` samples already count toward the next one."""
+        self._samples = carried
+        self._collaboration.stepped(self._step, samples=carried, step_samples=step_samples, own=own)

@@ -125,12 +125,12 @@ class DiLoCoOptimizer(SwarmTrainer):
             ]
         return torch.cat(parts)
 
-    def _global_step(self) -> None:
+    def _global_step(self) -> bool:
         samples = self._samples
         vector = self._pseudo_gradient() if samples > 0 else torch.zeros(self._numel)
         averaged = self._average(vector, float(samples))
         if averaged is None:  # the swarm's state was downloaded instead
-            return
+            return True
         apply = averaged is not vector or samples > 0
         with self._lock, torch.no_grad():
             offset = 0
@@ -148,7 +148,8 @@ class DiLoCoOptimizer(SwarmTrainer):
                 start.copy_(p)
             self._step += 1
         self._inner_done = 0
-        self._stepped()
+        self._stepped(own=samples)
+        return True
 
     def _capture(self) -> dict[str, Any]:
         return {
