@@ -181,6 +181,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=256,
         help="samples the swarm accumulates per step (default 256)",
     )
+    train.add_argument(
+        "--step-policy",
+        choices=("carry", "wait"),
+        default="carry",
+        help="how a step holds the target: 'carry' counts a batch that ends past it toward "
+        "the next step, 'wait' stops computing at it (default carry; docs/training.md)",
+    )
     train.add_argument("--batch-size", type=int, default=16, help="local batch (default 16)")
     train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
     train.add_argument("--upload-mbit", type=float, help="announce this upload rate (Mbit/s)")
@@ -389,6 +396,7 @@ def _run_train(args: argparse.Namespace) -> int:
         initial_peers=tuple(args.join),
         run_id=args.run_id,
         target_batch_size=args.target_batch_size,
+        step_policy=args.step_policy,
         batch_size=args.batch_size,
         seconds=args.seconds,
         upload_mbit=args.upload_mbit,

@@ -101,6 +101,9 @@ HELP: dict[str, str] = {
     "train_swarm_global_step": "The swarm's global step as last read.",
     "train_swarm_samples_per_s": "The swarm's samples per second as last read.",
     "train_peers_online": "Peers of the run online as last read.",
+    "train_step_samples": "Samples the swarm averaged in each step this peer applied.",
+    "train_last_step_samples": "Samples of the latest step this peer applied.",
+    "train_target_batch_size": "The target batch size of the run.",
 }
 """One line of help per metric family, shown as ``# HELP`` in the Prometheus text."""
 

@@ -80,6 +80,8 @@ class TrainingSessionConfig:
         initial_peers: Addresses (``peerid@host:port``) to join through.
         run_id: The run to train in; peers with the same run id train together.
         target_batch_size: Samples the swarm accumulates before each step.
+        step_policy: How a step holds the target: ``carry`` or ``wait``
+            (see :mod:`p2ptrain.train.cut`).
         batch_size: Samples of each local batch.
         seconds: Seconds to train (from the moment the peer joined), or
             ``None`` to train until interrupted.
@@ -99,6 +101,7 @@ class TrainingSessionConfig:
     initial_peers: tuple[str, ...]
     run_id: str = "charlm"
     target_batch_size: int = 256
+    step_policy: str = "carry"
     batch_size: int = 16
     seconds: float | None = None
     upload_mbit: float | None = None
@@ -122,6 +125,8 @@ class TrainingSessionConfig:
             raise ConfigError(f"{owner}.run_id must be a non-empty name without '/'")
         _integer(owner, "target_batch_size", self.target_batch_size, low=1, allow_none=False)
         _integer(owner, "batch_size", self.batch_size, low=1, allow_none=False)
+        if self.step_policy not in ("carry", "wait"):
+            raise ConfigError(f"{owner}.step_policy must be 'carry' or 'wait'")
         _number(owner, "seconds", self.seconds, low=0.0, allow_none=True)
         _number(owner, "upload_mbit", self.upload_mbit, low=0.0, allow_none=True)
         _number(owner, "download_mbit", self.download_mbit, low=0.0, allow_none=True)
@@ -278,6 +283,7 @@ def run_training_peer(
     trainer_config = TrainerConfig(
         run_id=config.run_id,
         target_batch_size=config.target_batch_size,
+        step_policy=config.step_policy,
         progress=config.progress,
     )
     metrics = Metrics()
@@ -323,6 +329,7 @@ def run_training_peer(
                         window_start, window_samples = now, 0
                         view = trainer.swarm_progress()
                         step = max(trainer.global_step, view.global_step)
+                        last_step = trainer.last_step
                         emit(
                             {
                                 "event": "progress",
@@ -338,6 +345,9 @@ def run_training_peer(
                                 "peers_online": view.peers_online,
                                 "rounds": trainer.stats.rounds,
                                 "local_rounds": trainer.stats.local_rounds,
+                                "target_batch_size": config.target_batch_size,
+                                "step_samples": None if last_step is None else last_step.samples,
+                                "step_own_samples": None if last_step is None else last_step.own,
                                 "metrics": metrics.snapshot()["metrics"],
                             }
                         )
@@ -494,6 +504,13 @@ def _bandwidth(record: PeerProgress) -> str:
     return f"{up / 1e6:.1f}/{down / 1e6:.1f}"
 
 
+def _step_samples(record: PeerProgress) -> str:
+    """The "step samples/target" cell: the samples of the peer's latest step, and its target."""
+    samples = "?" if record.last_step_samples is None else str(record.last_step_samples)
+    target = "?" if record.target is None else str(record.target)
+    return f"{samples}/{target}"
+
+
 def _ago(seconds: float) -> str:
     seconds = max(0.0, seconds)
     return f"{seconds:.1f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
@@ -521,7 +538,15 @@ def format_status(
     view = aggregate(records, target_batch_size=target_batch_size, now=now)
     if not view.records:
         return f"run {run_id!r}: no live peers found"
-    headers = ("PeerID", "reach/path", "samples/s", "up/down MB/s", "last seen", "global step")
+    headers = (
+        "PeerID",
+        "reach/path",
+        "samples/s",
+        "up/down MB/s",
+        "last seen",
+        "step samples/target",
+        "global step",
+    )
     rows = [
         (
             r.peer_id.short,
@@ -529,6 +554,7 @@ def format_status(
             f"{r.samples_per_s:.1f}",
             _bandwidth(r),
             _ago(now - r.time),
+            _step_samples(r),
             str(r.step),
         )
         for r in view.records

@@ -53,6 +53,9 @@ def test_two_peers_train_and_status_lists_them(procs: list[ChildLines]) -> None:
     events = [_wait_for_joint_step(peer, deadline) for peer in peers]
     ids = {e["peer_id"] for e in events}
     assert len(ids) == 2
+    for event in events:  # the samples of the latest step, beside the target
+        assert event["target_batch_size"] == 16
+        assert 0 < event["step_samples"] <= 16 + 2 * 4  # at most a batch per peer past it
 
     status = subprocess.run(
         [sys.executable, "-m", "p2ptrain.cli", "status", "--join", address, "--run-id", "t"],
@@ -68,6 +71,8 @@ def test_two_peers_train_and_status_lists_them(procs: list[ChildLines]) -> None:
     assert ids <= set(rows), status.stdout
     for peer_id in ids:
         assert int(rows[peer_id][-1]) >= 1  # the global step column
+        samples, target = rows[peer_id][-2].split("/")  # the step samples/target column
+        assert target == "16" and 0 < int(samples) <= 24, status.stdout
         assert rows[peer_id][1] == "direct"
     # up/down MB/s: the rates the first peer announced (50 and 100 Mbit/s)
     assert rows[events[0]["peer_id"]][4] == "6.2/12.5", status.stdout
@@ -125,6 +130,7 @@ def test_format_status_orders_by_step() -> None:
     assert "2.5/10.0" in lines[3] and "up/down MB/s" in lines[1]
     assert lines[4].startswith(a.short) and "client mode" in lines[4]
     assert "1.0s ago" in lines[4]
+    assert "step samples/target" in lines[1] and lines[4].split()[-2] == "?/?"
 
 
 def test_train_runs_a_users_task_module(procs: list[ChildLines], tmp_path: Path) -> None:

@@ -434,6 +434,10 @@ class Collaboration:
         pending = self.begin_average(step, vector, weight)
         return self.end_average(pending, blocked_since=started)
 
+    def expects_group(self, step: int) -> bool:
+        """Whether other live peers are expected in the group of ``step``."""
+        return self._tracker.view().expected_in_group(step, exclude=self.peer.peer_id) > 0
+
     def begin_average(self, step: int, vector: torch.Tensor, weight: float) -> PendingAverage:
         """Start averaging ``vector`` for ``step`` on the peer's loop; the trainer
         keeps computing and calls :meth:`end_average` (``vector`` must stay unchanged)."""

@@ -20,6 +20,7 @@ round counter as the global step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -60,10 +61,12 @@ class DiLoCoOptimizer(SwarmTrainer):
         peer: Peer,
         config: DiLoCoConfig,
         metrics: Metrics | None = None,
+        model: torch.nn.Module | None = None,
+        batch_size: int | None = None,
     ) -> None:
         if not isinstance(config, DiLoCoConfig):
             raise ConfigError("config must be a DiLoCoConfig")
-        super().__init__(optimizer, peer=peer, metrics=metrics)
+        super().__init__(optimizer, peer=peer, metrics=metrics, model=model, batch_size=batch_size)
         self.config = config
         self._start = [p.detach().clone() for p in self._params]
         self.outer_optimizer = torch.optim.SGD(
@@ -80,7 +83,9 @@ class DiLoCoOptimizer(SwarmTrainer):
         """Inner steps taken in the current round."""
         return self._inner_done
 
-    def step(self, batch_size: int) -> bool:
+    def step(  # type: ignore[override]
+        self, batch_size: int | None = None, closure: Callable[[], Any] | None = None
+    ) -> bool:
         """Take an inner step on the local gradients; end the round after H of them.
 
         Returns:
@@ -90,8 +95,7 @@ class DiLoCoOptimizer(SwarmTrainer):
             ConfigError: ``batch_size`` is not an int >= 0.
             RuntimeError: The optimizer is not started.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-            raise ConfigError(f"batch_size must be an int >= 0, got {batch_size!r}")
+        batch_size = self._batch(batch_size, closure)
         collab = self._collaboration
         with self._lock:
             self.optimizer.step()

@@ -27,6 +27,7 @@ drift from the others.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -63,6 +64,9 @@ class CollaborativeOptimizer(SwarmTrainer):
         config: The run and its step rule.
         metrics: Optional registry for samples/s, rounds, all-reduce seconds
             and bytes.
+        model: The model, if its buffers belong in the state (see
+            :class:`~p2ptrain.train.base.SwarmTrainer`).
+        batch_size: The default local batch size of :meth:`step`.
     """
 
     kind: ClassVar[str] = "collaborative"
@@ -74,10 +78,12 @@ class CollaborativeOptimizer(SwarmTrainer):
         peer: Peer,
         config: TrainerConfig,
         metrics: Metrics | None = None,
+        model: torch.nn.Module | None = None,
+        batch_size: int | None = None,
     ) -> None:
         if not isinstance(config, TrainerConfig):
             raise ConfigError("config must be a TrainerConfig")
-        super().__init__(optimizer, peer=peer, metrics=metrics)
+        super().__init__(optimizer, peer=peer, metrics=metrics, model=model, batch_size=batch_size)
         self.config = config
         self._numel = sum(p.numel() for p in self._params)
         # One element more than the parameters: the count marker (see group_weight).
@@ -111,7 +117,9 @@ class CollaborativeOptimizer(SwarmTrainer):
         """Samples computed past the step cut, counted toward the next step."""
         return self._carried
 
-    def step(self, batch_size: int) -> bool:
+    def step(  # type: ignore[override]
+        self, batch_size: int | None = None, closure: Callable[[], Any] | None = None
+    ) -> bool:
         """Add the gradients of a local batch of ``batch_size`` samples; step with the swarm.
 
         Call it after ``backward()``; it clears the parameters' gradients. It
@@ -125,8 +133,7 @@ class CollaborativeOptimizer(SwarmTrainer):
             ConfigError: ``batch_size`` is not an int >= 0, or a gradient is sparse.
             RuntimeError: The optimizer is not started.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-            raise ConfigError(f"batch_size must be an int >= 0, got {batch_size!r}")
+        batch_size = self._batch(batch_size, closure)
         collab = self._collaboration
         collab.record_batch(batch_size)
         if self._pending is not None:  # the step is closed and averaging: carry over
@@ -169,11 +176,6 @@ class CollaborativeOptimizer(SwarmTrainer):
         else:
             self._samples += batch_size
 
-    def zero_grad(self) -> None:
-        """Clear the parameters' gradients (not what was accumulated)."""
-        for p in self._params:
-            p.grad = None
-
     @property
     def _blocked(self) -> bool:
         limit = self.config.max_local_samples_per_step
@@ -199,7 +201,7 @@ class CollaborativeOptimizer(SwarmTrainer):
         samples = self._samples
         self._accumulator[-1] = 1.0  # becomes 1 / samples: the count marker
         vector = self._accumulator / max(samples, 1)  # all zeros when there are no samples
-        if self._policy is StepPolicy.CARRY:
+        if self._policy is StepPolicy.CARRY and self._collaboration.expects_group(self._step):
             # Average in the background; batches computed meanwhile count toward
             # the next step, and the update is applied at the first step() after.
             self._pending = (self._collaboration.begin_average(self._step, vector, samples), vector)
