@@ -31,6 +31,7 @@ from p2ptrain.peer import Peer
 from p2ptrain.train.base import SwarmTrainer, check_params, load_optimizer_state
 from p2ptrain.train.collaboration import SwarmSettings
 from p2ptrain.train.config import DiLoCoConfig
+from p2ptrain.train.staging import HostStaging, parameters_device
 from p2ptrain.train.state import TrainingSnapshot
 
 __all__ = ["DiLoCoOptimizer"]
@@ -77,6 +78,7 @@ class DiLoCoOptimizer(SwarmTrainer):
         )
         self._inner_done = 0
         self._numel = sum(p.numel() for p in self._params)
+        self._staging = HostStaging(self._numel, parameters_device(self._params))
 
     @property
     def inner_steps_done(self) -> int:
@@ -132,6 +134,7 @@ class DiLoCoOptimizer(SwarmTrainer):
     def _global_step(self) -> bool:
         samples = self._samples
         vector = self._pseudo_gradient() if samples > 0 else torch.zeros(self._numel)
+        vector = self._staging.to_host(vector)
         averaged = self._average(vector, float(samples))
         if averaged is None:  # the swarm's state was downloaded instead
             return True
@@ -141,7 +144,7 @@ class DiLoCoOptimizer(SwarmTrainer):
             for p, start in zip(self._params, self._start, strict=True):
                 p.copy_(start)
                 delta = averaged[offset : offset + p.numel()].view(p.shape)
-                p.grad = delta.to(p.dtype)
+                p.grad = self._staging.to_device(delta, p)
                 offset += p.numel()
             if apply:
                 self.outer_optimizer.step()

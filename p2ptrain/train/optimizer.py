@@ -44,6 +44,7 @@ from p2ptrain.train.base import (
 from p2ptrain.train.collaboration import PendingAverage, SwarmSettings
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.cut import StepPolicy
+from p2ptrain.train.staging import HostStaging, parameters_device
 from p2ptrain.train.state import TrainingSnapshot
 
 __all__ = ["CollaborativeOptimizer"]
@@ -87,7 +88,10 @@ class CollaborativeOptimizer(SwarmTrainer):
         self.config = config
         self._numel = sum(p.numel() for p in self._params)
         # One element more than the parameters: the count marker (see group_weight).
-        self._accumulator = torch.zeros(self._numel + 1, dtype=torch.float32)
+        # Accumulated on the parameters' device; staged through pinned host memory.
+        self._device = parameters_device(self._params)
+        self._staging = HostStaging(self._numel + 1, self._device)
+        self._accumulator = torch.zeros(self._numel + 1, dtype=torch.float32, device=self._device)
         self._views = self._views_of(self._accumulator)
         self._carry: torch.Tensor | None = None  # the next step's, under the carry policy
         self._carry_views: list[torch.Tensor] = []
@@ -201,6 +205,7 @@ class CollaborativeOptimizer(SwarmTrainer):
         samples = self._samples
         self._accumulator[-1] = 1.0  # becomes 1 / samples: the count marker
         vector = self._accumulator / max(samples, 1)  # all zeros when there are no samples
+        vector = self._staging.to_host(vector)
         if self._policy is StepPolicy.CARRY and self._collaboration.expects_group(self._step):
             # Average in the background; batches computed meanwhile count toward
             # the next step, and the update is applied at the first step() after.
@@ -232,7 +237,7 @@ class CollaborativeOptimizer(SwarmTrainer):
                 offset = 0
                 for p in self._params:
                     grad = averaged[offset : offset + p.numel()].view(p.shape)
-                    p.grad = grad.to(p.dtype) if grad.dtype != p.dtype else grad
+                    p.grad = self._staging.to_device(grad, p)
                     offset += p.numel()
                 self.optimizer.step()
                 for p in self._params:
