@@ -490,6 +490,40 @@ def equivalence(args: argparse.Namespace) -> None:
     for spec in filter(None, (args.also or "").split(",")):
         peers, _, target = spec.partition("x")
         runs.append((int(peers), int(target)))
+    if args.runs_only:
+        sizes = [(p, t, run_equivalence_swarm(args, p, t, args.policy)) for p, t in runs]
+        print(
+            format_table(
+                ["peers x target", "steps", "mean/target", "max/target", "first/target"],
+                [
+                    [
+                        f"{p} x {t}",
+                        r["steps"],
+                        r["mean_samples_per_step"] / t,
+                        r["max_samples_per_step"] / t,
+                        r["first_step_samples"] / t,
+                    ]
+                    for p, t, r in sizes
+                ],
+            )
+        )
+        emit_json(
+            {
+                "equivalence_runs": [
+                    {
+                        "peers": p,
+                        "target": t,
+                        "steps": r["steps"],
+                        "mean_samples_per_step": r["mean_samples_per_step"],
+                        "max_samples_per_step": r["max_samples_per_step"],
+                        "first_step_samples": r["first_step_samples"],
+                        "samples_per_s": r["samples_per_s"],
+                    }
+                    for p, t, r in sizes
+                ]
+            }
+        )
+        return
     main_run = run_equivalence_swarm(args, args.peers, args.target, args.policy)
     no_cut = run_equivalence_swarm(args, args.peers, args.target, "unbounded")
     single_child = Child(
@@ -627,6 +661,11 @@ def main() -> None:
         "--policy", default="carry", choices=("carry", "wait"), help="step policy (--equivalence)"
     )
     parser.add_argument("--also", help="more swarm runs, e.g. 8x256,4x1024 (--equivalence)")
+    parser.add_argument(
+        "--runs-only",
+        action="store_true",
+        help="only the swarm runs' samples per step, no loss or no-cut comparison (--equivalence)",
+    )
     args = parser.parse_args()
     if args.worker is not None:
         worker_main(json.loads(args.worker))

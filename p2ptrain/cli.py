@@ -189,6 +189,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "the next step, 'wait' stops computing at it (default carry; docs/training.md)",
     )
     train.add_argument("--batch-size", type=int, default=16, help="local batch (default 16)")
+    train.add_argument(
+        "--torch-threads", type=int, help="torch threads for training (default: all cores)"
+    )
+    train.add_argument("--save", metavar="PATH", help="write the final model's state_dict here")
     train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
     train.add_argument("--upload-mbit", type=float, help="announce this upload rate (Mbit/s)")
     train.add_argument("--download-mbit", type=float, help="announce this download rate (Mbit/s)")
@@ -406,6 +410,8 @@ def _run_train(args: argparse.Namespace) -> int:
         identity_path=args.identity,
         nat=_train_nat_config(args),
         task=args.task,
+        torch_threads=args.torch_threads,
+        save_path=args.save,
     )
     with contextlib.ExitStack() as stack:
         log = None

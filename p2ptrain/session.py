@@ -47,7 +47,9 @@ __all__ = [
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-_NUM_SHARDS = 1024
+_NUM_SHARDS = 2**40
+"""Shards of the data; a peer's is its whole PeerID digest modulo this, so two
+of even a thousand peers share one with probability below 10**-6."""
 _MBIT = 1e6 / 8
 
 
@@ -96,6 +98,10 @@ class TrainingSessionConfig:
         progress: How often progress is published and read.
         nat: NAT traversal (see :class:`~p2ptrain.peer.PeerConfig`), or
             ``None`` to dial plain TCP (LAN, loopback).
+        task: The task module (``None``: charlm).
+        torch_threads: ``torch.set_num_threads`` for training, or ``None``
+            for torch's default (all cores).
+        save_path: Write the final model's ``state_dict`` here (``torch.save``).
     """
 
     initial_peers: tuple[str, ...]
@@ -117,6 +123,8 @@ class TrainingSessionConfig:
     )
     nat: NATConfig | None = None
     task: str | None = None
+    torch_threads: int | None = None
+    save_path: str | None = None
 
     def __post_init__(self) -> None:
         owner = "TrainingSessionConfig"
@@ -138,6 +146,11 @@ class TrainingSessionConfig:
             raise ConfigError(f"{owner}.node must be a NodeConfig")
         if self.task is not None and (not isinstance(self.task, str) or not self.task):
             raise ConfigError(f"{owner}.task must be a module name or a .py path")
+        _integer(owner, "torch_threads", self.torch_threads, low=1, allow_none=True)
+        if self.save_path is not None and (
+            not isinstance(self.save_path, str) or not self.save_path
+        ):
+            raise ConfigError(f"{owner}.save_path must be a path")
         if not isinstance(self.progress, ProgressConfig):
             raise ConfigError(f"{owner}.progress must be a ProgressConfig")
         if self.nat is not None:
@@ -176,9 +189,10 @@ class TrainingSummary:
     syncs: int
 
 
-def _shard_of(peer_id: PeerID) -> int:
+def shard_of(peer_id: PeerID) -> tuple[int, int]:
+    """A peer's data shard and the number of shards: from its whole PeerID digest."""
     digest = hashlib.sha256(str(peer_id).encode()).digest()
-    return int.from_bytes(digest[:4], "big") % _NUM_SHARDS
+    return int.from_bytes(digest, "big") % _NUM_SHARDS, _NUM_SHARDS
 
 
 class _Display:
@@ -262,7 +276,8 @@ def run_training_peer(
 
     task = load_task(config.task)
     emit = log or (lambda event: None)
-    torch.set_num_threads(1)
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
     inner = task.optimizer
     schedule = lr_schedule(task)
 
@@ -312,7 +327,7 @@ def run_training_peer(
         )
         if announce is not None:
             announce(peer.address)
-        shard = _shard_of(peer.peer_id)
+        shard, num_shards = shard_of(peer.peer_id)
         local, last_loss = 0, math.nan
         try:
             with CollaborativeOptimizer(
@@ -362,9 +377,7 @@ def run_training_peer(
                         )
                         next_log = now + config.log_interval
                     schedule(trainer.global_step)
-                    batch = task.batch(
-                        local, config.batch_size, shard=shard, num_shards=_NUM_SHARDS
-                    )
+                    batch = task.batch(local, config.batch_size, shard=shard, num_shards=num_shards)
                     value = task.loss(batch)
                     value.backward()  # type: ignore[no-untyped-call]  # torch stubs leave it untyped
                     last_loss = float(value.item())
@@ -374,6 +387,8 @@ def run_training_peer(
                 elapsed = time.monotonic() - started
                 stats = trainer.stats
                 final_step = trainer.global_step
+            if config.save_path is not None:
+                torch.save(task.model.state_dict(), config.save_path)
         finally:
             screen.done()
             if server is not None:

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import ChildLines, cli_process
 from test_task import documented_example
 
 from p2ptrain.cli import main
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import Identity
-from p2ptrain.session import TrainingSessionConfig, format_status
+from p2ptrain.session import TrainingSessionConfig, format_status, shard_of
 from p2ptrain.train.progress import PeerProgress
 
 
@@ -144,7 +145,7 @@ def test_train_runs_a_users_task_module(procs: list[ChildLines], tmp_path: Path)
     peer = cli_process(
         "train", "--join", address, "--run-id", "own", "--task", str(task_file),
         "--seconds", "6", "--target-batch-size", "32", "--batch-size", "16",
-        "--log-json", "-",
+        "--log-json", "-", "--torch-threads", "1", "--save", str(tmp_path / "model.pt"),
     )  # fmt: skip
     procs.append(peer)
     events = []
@@ -154,3 +155,30 @@ def test_train_runs_a_users_task_module(procs: list[ChildLines], tmp_path: Path)
     assert end["global_step"] >= 2 and end["local_steps"] >= 4, end
     # The linear model learns its target (the untrained loss is about |w|^2, ~8).
     assert end["loss"] < 1e-3, end
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)  # --save wrote the model
+    assert set(saved) == {"weight", "bias"} and saved["weight"].shape == (1, 8)
+
+
+def test_two_peers_never_draw_the_same_batch() -> None:
+    """Shards come from the whole PeerID digest: 10,000 draws of two peers never coincide."""
+    from examples.charlm.task import CharLMTask
+
+    a, b = (shard_of(Identity.generate().peer_id) for _ in range(2))
+    assert a[0] != b[0] and a[1] == b[1] >= 2**40
+    namespace: dict[str, Any] = {}
+    exec(documented_example(), namespace)  # the task of p2ptrain/task.py's docstring
+    linear = namespace["make_task"]()
+    draws = [
+        {linear.batch(i, 4, shard=s, num_shards=n)[0].numpy().tobytes() for i in range(10_000)}
+        for s, n in (a, b)
+    ]
+    assert len(draws[0]) == len(draws[1]) == 10_000 and not draws[0] & draws[1]
+    # charlm: the sample indices of the two peers' 10,000 batches are disjoint
+    firsts = [{(i * n + s) * 16 for i in range(10_000)} for s, n in (a, b)]
+    assert not firsts[0] & firsts[1]
+    charlm = CharLMTask()
+    for i in range(20):
+        assert not torch.equal(
+            charlm.batch(i, 16, shard=a[0], num_shards=a[1]),
+            charlm.batch(i, 16, shard=b[0], num_shards=b[1]),
+        )
