@@ -193,6 +193,26 @@ def _build_parser() -> argparse.ArgumentParser:
         "--torch-threads", type=int, help="torch threads for training (default: all cores)"
     )
     train.add_argument("--save", metavar="PATH", help="write the final model's state_dict here")
+    train.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="resume from PATH if it exists; write the training state there periodically",
+    )
+    train.add_argument(
+        "--checkpoint-every", type=float, default=60.0, help="seconds between checkpoints (60)"
+    )
+    train.add_argument(
+        "--diloco", type=int, metavar="H", help="train with DiLoCo, H inner steps per round"
+    )
+    train.add_argument(
+        "--compression",
+        choices=("none", "fp16", "bf16", "int8"),
+        default="none",
+        help="codec of the all-reduce (default none)",
+    )
+    train.add_argument(
+        "--matchmaking-window", type=float, default=2.0, help="seconds to gather a group (2)"
+    )
     train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
     train.add_argument("--upload-mbit", type=float, help="announce this upload rate (Mbit/s)")
     train.add_argument("--download-mbit", type=float, help="announce this download rate (Mbit/s)")
@@ -412,6 +432,11 @@ def _run_train(args: argparse.Namespace) -> int:
         task=args.task,
         torch_threads=args.torch_threads,
         save_path=args.save,
+        checkpoint_path=args.checkpoint,
+        checkpoint_interval=args.checkpoint_every,
+        diloco_inner_steps=args.diloco,
+        compression=args.compression,
+        matchmaking_window=args.matchmaking_window,
     )
     with contextlib.ExitStack() as stack:
         log = None

@@ -102,6 +102,14 @@ class TrainingSessionConfig:
         torch_threads: ``torch.set_num_threads`` for training, or ``None``
             for torch's default (all cores).
         save_path: Write the final model's ``state_dict`` here (``torch.save``).
+        checkpoint_path: Resume from this checkpoint if it exists, and write
+            the whole training state to it every ``checkpoint_interval``
+            seconds and at the end; ``None`` for none.
+        checkpoint_interval: Seconds between two checkpoints.
+        diloco_inner_steps: Train with DiLoCo, this many inner steps per
+            round (H); ``None`` trains with the collaborative optimizer.
+        compression: Codec of the all-reduce: ``none``, ``fp16``, ``bf16``, ``int8``.
+        matchmaking_window: Seconds a peer gathers a step's group.
     """
 
     initial_peers: tuple[str, ...]
@@ -125,6 +133,11 @@ class TrainingSessionConfig:
     task: str | None = None
     torch_threads: int | None = None
     save_path: str | None = None
+    checkpoint_path: str | None = None
+    checkpoint_interval: float = 60.0
+    diloco_inner_steps: int | None = None
+    compression: str = "none"
+    matchmaking_window: float = 2.0
 
     def __post_init__(self) -> None:
         owner = "TrainingSessionConfig"
@@ -147,6 +160,15 @@ class TrainingSessionConfig:
         if self.task is not None and (not isinstance(self.task, str) or not self.task):
             raise ConfigError(f"{owner}.task must be a module name or a .py path")
         _integer(owner, "torch_threads", self.torch_threads, low=1, allow_none=True)
+        _integer(owner, "diloco_inner_steps", self.diloco_inner_steps, low=1, allow_none=True)
+        _number(owner, "checkpoint_interval", self.checkpoint_interval, low=0.0, allow_none=False)
+        _number(owner, "matchmaking_window", self.matchmaking_window, low=0.0, allow_none=False)
+        if self.compression not in ("none", "fp16", "bf16", "int8"):
+            raise ConfigError(f"{owner}.compression must be none, fp16, bf16 or int8")
+        if self.checkpoint_path is not None and not (
+            isinstance(self.checkpoint_path, str) and self.checkpoint_path
+        ):
+            raise ConfigError(f"{owner}.checkpoint_path must be a path")
         if self.save_path is not None and (
             not isinstance(self.save_path, str) or not self.save_path
         ):
@@ -261,6 +283,7 @@ def run_training_peer(
     import torch  # noqa: PLC0415 - slow import, only for training
 
     from p2ptrain.allreduce.bandwidth import ThroughputConfig  # noqa: PLC0415
+    from p2ptrain.allreduce.config import AllReduceConfig  # noqa: PLC0415
     from p2ptrain.allreduce.matchmaking import MatchmakingConfig  # noqa: PLC0415
     from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
     from p2ptrain.metrics import (  # noqa: PLC0415
@@ -272,7 +295,13 @@ def run_training_peer(
     )
     from p2ptrain.peer import Peer, PeerConfig  # noqa: PLC0415
     from p2ptrain.task import load_task, lr_schedule  # noqa: PLC0415 - imports torch
-    from p2ptrain.train import CollaborativeOptimizer, TrainerConfig  # noqa: PLC0415
+    from p2ptrain.train import (  # noqa: PLC0415
+        CollaborativeOptimizer,
+        DiLoCoConfig,
+        DiLoCoOptimizer,
+        TrainerConfig,
+    )
+    from p2ptrain.train.base import SwarmTrainer  # noqa: PLC0415
 
     task = load_task(config.task)
     emit = log or (lambda event: None)
@@ -290,17 +319,14 @@ def run_training_peer(
     peer_config = PeerConfig(
         node=config.node,
         dht=DHTNodeConfig(initial_peers=config.initial_peers),
-        matchmaking=MatchmakingConfig(window=2.0, poll_interval=0.05, plan_timeout=5.0),
+        matchmaking=MatchmakingConfig(
+            window=config.matchmaking_window, poll_interval=0.05, plan_timeout=5.0
+        ),
         throughput=throughput,
         identity_path=config.identity_path,
         nat=config.nat,
     )
-    trainer_config = TrainerConfig(
-        run_id=config.run_id,
-        target_batch_size=config.target_batch_size,
-        step_policy=config.step_policy,
-        progress=config.progress,
-    )
+    codec = AllReduceConfig(codec=config.compression)
     metrics = Metrics()
     screen = _Display(display)
     with Peer(peer_config) as peer:
@@ -329,11 +355,35 @@ def run_training_peer(
             announce(peer.address)
         shard, num_shards = shard_of(peer.peer_id)
         local, last_loss = 0, math.nan
+        trainer: SwarmTrainer
+        if config.diloco_inner_steps is not None:
+            diloco = DiLoCoConfig(
+                run_id=config.run_id,
+                inner_steps=config.diloco_inner_steps,
+                allreduce=codec,
+                progress=config.progress,
+            )
+            trainer = DiLoCoOptimizer(
+                inner, peer=peer, config=diloco, metrics=metrics, model=task.model
+            )
+        else:
+            trainer_config = TrainerConfig(
+                run_id=config.run_id,
+                target_batch_size=config.target_batch_size,
+                step_policy=config.step_policy,
+                allreduce=codec,
+                progress=config.progress,
+            )
+            trainer = CollaborativeOptimizer(
+                inner, peer=peer, config=trainer_config, metrics=metrics, model=task.model
+            )
+        checkpoint = config.checkpoint_path
+        if checkpoint is not None and Path(checkpoint).exists():
+            trainer.load_checkpoint(checkpoint)  # then start() downloads if the swarm moved on
         try:
-            with CollaborativeOptimizer(
-                inner, peer=peer, config=trainer_config, metrics=metrics
-            ) as trainer:
+            with trainer:
                 started = time.monotonic()
+                next_save = started + config.checkpoint_interval
                 deadline = math.inf if config.seconds is None else started + config.seconds
                 next_log = started
                 window_start, window_samples, rate = started, 0, 0.0
@@ -384,7 +434,12 @@ def run_training_peer(
                     local += 1
                     window_samples += config.batch_size
                     trainer.step(config.batch_size)
+                    if checkpoint is not None and time.monotonic() >= next_save:
+                        trainer.save_checkpoint(checkpoint)
+                        next_save = time.monotonic() + config.checkpoint_interval
                 elapsed = time.monotonic() - started
+                if checkpoint is not None:
+                    trainer.save_checkpoint(checkpoint)
                 stats = trainer.stats
                 final_step = trainer.global_step
             if config.save_path is not None:

@@ -182,3 +182,46 @@ def test_two_peers_never_draw_the_same_batch() -> None:
             charlm.batch(i, 16, shard=a[0], num_shards=a[1]),
             charlm.batch(i, 16, shard=b[0], num_shards=b[1]),
         )
+
+
+def _events_until_end(peer: ChildLines, deadline: float) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    while not events or events[-1]["event"] != "end":
+        events.append(json.loads(peer.next_line(deadline)))
+    return events
+
+
+@pytest.mark.slow
+def test_a_stopped_swarm_resumes_from_its_checkpoints(
+    procs: list[ChildLines], tmp_path: Path
+) -> None:
+    """Two peers stop, restart with --checkpoint, and go on from their global step."""
+    task_file = tmp_path / "my_task.py"
+    task_file.write_text(documented_example())
+    deadline = time.monotonic() + 150
+    boot = cli_process("bootstrap", "--port", "0")
+    procs.append(boot)
+    assert "ready" in boot.next_line(deadline)
+    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+
+    def run(seconds: str) -> list[list[dict[str, Any]]]:
+        common = ["train", "--join", address, "--run-id", "resume", "--task", str(task_file)]
+        common += ["--seconds", seconds, "--target-batch-size", "32", "--batch-size", "8"]
+        common += ["--log-json", "-", "--torch-threads", "1", "--checkpoint-every", "1"]
+        peers = [
+            cli_process(*common, "--checkpoint", str(tmp_path / f"peer{i}.pt")) for i in range(2)
+        ]
+        procs.extend(peers)
+        return [_events_until_end(peer, deadline) for peer in peers]
+
+    before = run("5")
+    steps = [events[-1]["global_step"] for events in before]
+    assert min(steps) >= 2, steps
+    last_loss = max(events[-1]["loss"] for events in before)
+    after = run("4")
+    for events, step in zip(after, steps, strict=True):
+        progress = [e for e in events if e["event"] == "progress"]
+        assert progress[0]["global_step"] >= step  # resumed, not restarted from 0
+        first_loss = next(e["loss"] for e in progress if e["loss"] is not None)
+        assert first_loss <= max(2 * last_loss, 1e-3), (first_loss, last_loss)
+        assert events[-1]["global_step"] > step
