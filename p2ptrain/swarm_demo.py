@@ -286,6 +286,8 @@ def _train_argv(config: SwarmDemoConfig, run: PeerRun, join: str, seconds: float
         f"{run.download_mbit:g}",
         "--log-json",
         "-",
+        "--torch-threads",
+        "1",  # the peers share this machine's cores
     )
 
 
