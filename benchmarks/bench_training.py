@@ -31,6 +31,21 @@ Usage::
 
     python benchmarks/bench_training.py [--peers 4] [--batch 16] [--steps 8]
         [--batches-per-step 4] [--inner-steps 20] [--rounds 3] [--single-batches 60]
+
+``--equivalence`` measures instead whether a step holds the batch the user set
+(issue 21): ``--peers`` processes train the charlm task through the library
+API (the command line's matchmaking and progress settings, the task's
+warm-up schedule) for ``--steps`` global steps at ``--target``, each peer
+with local batches of ``--batch``; the same swarm runs again with the step
+cut off (``step_policy="unbounded"``, the old behaviour); one process trains
+the same task from the same seed with batch = target for as many samples as
+the swarm counted. The table shows samples per step (mean, max, first step;
+summed from every peer's own share of each step), the held-out loss at 25,
+50 and 100 % of the samples for both, and samples/s. ``--also 8x256,4x1024``
+adds swarm runs of other sizes (``peers x target``) to the ``runs`` list::
+
+    python benchmarks/bench_training.py --equivalence --peers 4 --target 256 \
+        --batch 16 --steps 100 --also 8x256,4x1024
 """
 
 from __future__ import annotations
@@ -161,9 +176,148 @@ def run_peer(job: dict[str, Any]) -> dict[str, Any]:
         }
 
 
+EVAL_WINDOWS = 256
+FRACTIONS = (0.25, 0.5, 1.0)
+
+
+def _eval_windows() -> Any:
+    from p2ptrain.examples.charlm.data import load_corpus
+    from p2ptrain.examples.charlm.model import ModelConfig
+
+    return load_corpus().validation_windows(EVAL_WINDOWS, seq_len=ModelConfig().context)
+
+
+def _cut_points(totals: list[int]) -> list[int]:
+    """For each fraction, the number of steps whose cumulative samples come nearest to it."""
+    whole = sum(totals)
+    cumulative = [0]
+    for samples in totals:
+        cumulative.append(cumulative[-1] + samples)
+    return [
+        max(1, min(range(len(cumulative)), key=lambda k: abs(cumulative[k] - f * whole)))
+        for f in FRACTIONS
+    ]
+
+
+def run_equivalence_single(job: dict[str, Any]) -> dict[str, Any]:
+    """One process, batch = target, for ``job["samples"]`` samples; held-out loss at fractions."""
+    import torch
+
+    from p2ptrain.examples.charlm.model import evaluate
+    from p2ptrain.task import load_task, lr_schedule
+
+    torch.set_num_threads(1)
+    task = load_task(None)
+    schedule = lr_schedule(task)
+    windows = _eval_windows()
+    target, samples = job["target"], job["samples"]
+    steps = max(1, round(samples / target))
+    points = {max(1, round(f * samples / target)): f for f in FRACTIONS}
+    losses: dict[str, float] = {}
+    started = time.perf_counter()
+    compute = 0.0
+    for step in range(steps):
+        schedule(step)
+        tic = time.perf_counter()
+        value = task.loss(task.batch(step, target, shard=0, num_shards=1))
+        value.backward()  # type: ignore[no-untyped-call]
+        task.optimizer.step()
+        task.optimizer.zero_grad()
+        compute += time.perf_counter() - tic
+        if step + 1 in points:
+            losses[str(points[step + 1])] = evaluate(task.model, windows)
+    return {
+        "samples": steps * target,
+        "steps": steps,
+        "wall": time.perf_counter() - started,
+        "compute_s": compute,
+        "losses": losses,
+    }
+
+
+def run_equivalence_peer(job: dict[str, Any]) -> dict[str, Any]:
+    """One peer of an equivalence swarm; trains the charlm task until the goal step."""
+    import torch
+
+    from p2ptrain.allreduce.matchmaking import MatchmakingConfig
+    from p2ptrain.dht.node_config import DHTNodeConfig
+    from p2ptrain.examples.charlm.model import evaluate
+    from p2ptrain.peer import Peer, PeerConfig
+    from p2ptrain.session import TrainingSessionConfig
+    from p2ptrain.task import load_task, lr_schedule
+    from p2ptrain.train import CollaborativeOptimizer, TrainerConfig
+
+    torch.set_num_threads(1)
+    task = load_task(None)
+    schedule = lr_schedule(task)
+    peer_config = PeerConfig(
+        dht=DHTNodeConfig(initial_peers=tuple(job["initial_peers"])),
+        matchmaking=MatchmakingConfig(window=2.0, poll_interval=0.05, plan_timeout=5.0),
+    )
+    keep = job["shard"] == 0  # this peer keeps the parameters of every step for the losses
+    params = list(task.model.parameters())
+    kept: list[list[Any]] = [[p.detach().clone() for p in params]]
+    with Peer(peer_config) as peer:
+        _emit({"address": peer.address})
+        if sys.stdin.readline().strip() != "go":
+            return {}
+        cfg = TrainerConfig(
+            run_id=job["run_id"],
+            target_batch_size=job["target"],
+            step_policy=job["policy"],
+            progress=TrainingSessionConfig(initial_peers=()).progress,
+        )
+        shard, shards, batch = job["shard"], job["peers"], job["batch"]
+        steps: list[list[Any]] = []
+        local = 0
+        started = time.perf_counter()
+        with CollaborativeOptimizer(task.optimizer, peer=peer, config=cfg) as trainer:
+            last = None
+            while trainer.global_step < job["goal"]:
+                schedule(trainer.global_step)
+                value = task.loss(task.batch(local, batch, shard=shard, num_shards=shards))
+                value.backward()  # type: ignore[no-untyped-call]
+                local += 1
+                trainer.step(batch)
+                record = trainer.last_step
+                if record is not None and record is not last:
+                    last = record
+                    steps.append([record.step, record.own, record.samples, trainer.local_samples])
+                    if keep:
+                        kept.append([p.detach().clone() for p in params])
+            wall = time.perf_counter() - started
+            stats = trainer.stats
+            pending = trainer.local_samples + trainer.carried_samples
+        losses: dict[str, float] = {}
+        if keep:
+            totals = [s[2] if s[2] is not None else 0 for s in steps]
+            windows = _eval_windows()
+            with torch.no_grad():
+                for fraction, point in zip(FRACTIONS, _cut_points(totals), strict=True):
+                    for p, value in zip(params, kept[point], strict=True):
+                        p.copy_(value)
+                    losses[str(fraction)] = evaluate(task.model, windows)
+        return {
+            "samples": local * batch,
+            "pending": pending,
+            "wall": wall,
+            "steps": steps,
+            "syncs": stats.syncs,
+            "local_rounds": stats.local_rounds,
+            "waiting_s": stats.waiting_s,
+            "averaging_s": stats.averaging_s,
+            "losses": losses,
+        }
+
+
 def worker_main(job: dict[str, Any]) -> None:
     """Entry point of a child process."""
-    result = run_single(job) if job["mode"] == "single" else run_peer(job)
+    runners = {
+        "single": run_single,
+        "eqsingle": run_equivalence_single,
+        "eqpeer": run_equivalence_peer,
+    }
+    result = runners.get(job["mode"], run_peer)(job)
     _emit({"result": result})
 
 
@@ -229,17 +383,21 @@ def run_swarm(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
         "inner_steps": args.inner_steps,
         "goal": goal,
     }
+    return start_swarm(base, args.peers, START_TIMEOUT + 60.0 * goal)
+
+
+def start_swarm(base: dict[str, Any], peers: int, limit: float) -> list[dict[str, Any]]:
+    """Start ``peers`` workers of job ``base``, say go, and collect their results."""
     children: list[Child] = []
     try:
         children.append(Child({**base, "shard": 0, "initial_peers": []}))
         first = children[0].wait_for("address", START_TIMEOUT)
-        for shard in range(1, args.peers):
+        for shard in range(1, peers):
             children.append(Child({**base, "shard": shard, "initial_peers": [first]}))
         for child in children:
             child.wait_for("address", START_TIMEOUT)
         for child in children:
             child.send("go")
-        limit = START_TIMEOUT + 60.0 * goal
         return [child.wait_for("result", limit) for child in children]
     finally:
         for child in children:
@@ -273,6 +431,218 @@ def summarize(name: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def summarize_equivalence(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Samples per step (each step's total summed from every peer's share), rate, losses."""
+    shares: dict[int, int] = {}
+    marker: dict[int, int | None] = {}
+    for result in results:
+        for step, own, total, _carried in result["steps"]:
+            shares[step] = shares.get(step, 0) + own
+            marker.setdefault(step, total)
+    steps = sorted(shares)
+    totals = [shares[s] for s in steps]
+    computed = sum(r["samples"] for r in results)
+    pending = sum(r["pending"] for r in results)
+    wall = max(r["wall"] for r in results)
+    agree = sum(1 for s in steps if marker[s] == shares[s])
+    carried = sum(c for r in results for *_, c in r["steps"])
+    losses = next(r["losses"] for r in results if r["losses"])
+    return {
+        "steps": len(steps),
+        "mean_samples_per_step": sum(totals) / max(1, len(totals)),
+        "max_samples_per_step": max(totals, default=0),
+        "first_step_samples": totals[0] if totals else 0,
+        "samples_counted": sum(totals),
+        "samples_computed": computed,
+        "samples_pending": pending,
+        "marker_agrees": agree,
+        "samples_per_s": computed / wall,
+        "syncs": sum(r["syncs"] for r in results),
+        "local_rounds": sum(r["local_rounds"] for r in results),
+        "wait_fraction": sum(r["waiting_s"] / r["wall"] for r in results) / len(results),
+        "comm_fraction": sum(r["averaging_s"] / r["wall"] for r in results) / len(results),
+        "carried_fraction": carried / max(1, sum(totals)),
+        "losses": losses,
+        "wall_s": wall,
+    }
+
+
+def run_equivalence_swarm(
+    args: argparse.Namespace, peers: int, target: int, policy: str
+) -> dict[str, Any]:
+    """One swarm run of the equivalence benchmark, summarized."""
+    base = {
+        "mode": "eqpeer",
+        "peers": peers,
+        "batch": args.batch,
+        "target": target,
+        "policy": policy,
+        "goal": args.steps,
+        "run_id": f"eq-{peers}x{target}-{policy}",
+    }
+    limit = START_TIMEOUT + 10.0 * args.steps * max(1, target // 64)
+    return summarize_equivalence(start_swarm(base, peers, limit))
+
+
+def equivalence(args: argparse.Namespace) -> None:
+    """``--equivalence``: samples per step and loss per sample against one process."""
+    runs: list[tuple[int, int]] = [(args.peers, args.target)]
+    for spec in filter(None, (args.also or "").split(",")):
+        peers, _, target = spec.partition("x")
+        runs.append((int(peers), int(target)))
+    if args.runs_only:
+        sizes = [(p, t, run_equivalence_swarm(args, p, t, args.policy)) for p, t in runs]
+        print(
+            format_table(
+                ["peers x target", "steps", "mean/target", "max/target", "first/target"],
+                [
+                    [
+                        f"{p} x {t}",
+                        r["steps"],
+                        r["mean_samples_per_step"] / t,
+                        r["max_samples_per_step"] / t,
+                        r["first_step_samples"] / t,
+                    ]
+                    for p, t, r in sizes
+                ],
+            )
+        )
+        emit_json(
+            {
+                "equivalence_runs": [
+                    {
+                        "peers": p,
+                        "target": t,
+                        "steps": r["steps"],
+                        "mean_samples_per_step": r["mean_samples_per_step"],
+                        "max_samples_per_step": r["max_samples_per_step"],
+                        "first_step_samples": r["first_step_samples"],
+                        "samples_per_s": r["samples_per_s"],
+                    }
+                    for p, t, r in sizes
+                ]
+            }
+        )
+        return
+    main_run = run_equivalence_swarm(args, args.peers, args.target, args.policy)
+    no_cut = run_equivalence_swarm(args, args.peers, args.target, "unbounded")
+    single_child = Child(
+        {"mode": "eqsingle", "target": args.target, "samples": main_run["samples_counted"]}
+    )
+    try:
+        single = single_child.wait_for("result", START_TIMEOUT + 0.2 * main_run["samples_counted"])
+    finally:
+        single_child.close()
+    extra = [(p, t, run_equivalence_swarm(args, p, t, args.policy)) for p, t in runs[1:]]
+    ratios = [main_run["losses"][str(f)] / single["losses"][str(f)] for f in FRACTIONS]
+    rows: list[list[object]] = []
+    for name, result in (
+        (f"{args.peers} peers, {args.policy}", main_run),
+        (f"{args.peers} peers, no cut", no_cut),
+    ):
+        rows.append(
+            [
+                name,
+                result["steps"],
+                result["mean_samples_per_step"],
+                result["max_samples_per_step"],
+                result["first_step_samples"],
+                *(result["losses"][str(f)] for f in FRACTIONS),
+                result["samples_per_s"],
+            ]
+        )
+    rows.append(
+        [
+            "1 process, batch = target",
+            single["steps"],
+            args.target,
+            args.target,
+            args.target,
+            *(single["losses"][str(f)] for f in FRACTIONS),
+            single["samples"] / single["wall"],
+        ]
+    )
+    print(
+        f"charlm, target {args.target}, local batch {args.batch}, {args.steps} global steps, "
+        f"{os.cpu_count()} cores; loss = held-out loss at 25/50/100 % of "
+        f"{main_run['samples_counted']} samples"
+    )
+    print(
+        format_table(
+            [
+                "run",
+                "steps",
+                "mean samples/step",
+                "max",
+                "first",
+                "loss 25%",
+                "loss 50%",
+                "loss 100%",
+                "samples/s",
+            ],
+            rows,
+        )
+    )
+    run_rows: list[list[object]] = [
+        [
+            f"{args.peers} x {args.target}",
+            main_run["mean_samples_per_step"] / args.target,
+            main_run["max_samples_per_step"] / args.target,
+            main_run["first_step_samples"] / args.target,
+        ]
+    ]
+    run_rows += [
+        [
+            f"{p} x {t}",
+            r["mean_samples_per_step"] / t,
+            r["max_samples_per_step"] / t,
+            r["first_step_samples"] / t,
+        ]
+        for p, t, r in extra
+    ]
+    print(format_table(["peers x target", "mean/target", "max/target", "first/target"], run_rows))
+    print(
+        f"loss ratio swarm/single at 25/50/100 %: {', '.join(f'{r:.3f}' for r in ratios)}; "
+        f"samples/s {main_run['samples_per_s']:.1f} vs {no_cut['samples_per_s']:.1f} without "
+        f"the cut ({main_run['samples_per_s'] / no_cut['samples_per_s']:.3f}x); counted "
+        f"{main_run['samples_counted']} = computed {main_run['samples_computed']} - pending "
+        f"{main_run['samples_pending']}"
+    )
+
+    def brief(peers: int, target: int, result: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "peers": peers,
+            "target": target,
+            "mean_samples_per_step": result["mean_samples_per_step"],
+            "max_samples_per_step": result["max_samples_per_step"],
+            "first_step_samples": result["first_step_samples"],
+            "steps": result["steps"],
+        }
+
+    emit_json(
+        {
+            "equivalence": {
+                "peers": args.peers,
+                "target": args.target,
+                "policy": args.policy,
+                "mean_samples_per_step": main_run["mean_samples_per_step"],
+                "max_samples_per_step": main_run["max_samples_per_step"],
+                "first_step_samples": main_run["first_step_samples"],
+                "loss_ratio": ratios,
+                "samples_per_s": main_run["samples_per_s"],
+                "samples_per_s_no_cut": no_cut["samples_per_s"],
+                "runs": [
+                    brief(args.peers, args.target, main_run),
+                    *(brief(p, t, r) for p, t, r in extra),
+                ],
+                "swarm": main_run,
+                "no_cut": no_cut,
+                "single": single,
+            }
+        }
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
@@ -289,9 +659,25 @@ def main() -> None:
     parser.add_argument(
         "--single-batches", type=int, default=60, help="batches of the one-process baseline"
     )
+    parser.add_argument(
+        "--equivalence", action="store_true", help="samples per step and loss vs one process"
+    )
+    parser.add_argument("--target", type=int, default=256, help="target batch (--equivalence)")
+    parser.add_argument(
+        "--policy", default="carry", choices=("carry", "wait"), help="step policy (--equivalence)"
+    )
+    parser.add_argument("--also", help="more swarm runs, e.g. 8x256,4x1024 (--equivalence)")
+    parser.add_argument(
+        "--runs-only",
+        action="store_true",
+        help="only the swarm runs' samples per step, no loss or no-cut comparison (--equivalence)",
+    )
     args = parser.parse_args()
     if args.worker is not None:
         worker_main(json.loads(args.worker))
+        return
+    if args.equivalence:
+        equivalence(args)
         return
 
     single_child = Child({"mode": "single", "batch": args.batch, "batches": args.single_batches})

@@ -211,7 +211,38 @@ def _build_parser() -> argparse.ArgumentParser:
         default=256,
         help="samples the swarm accumulates per step (default 256)",
     )
+    train.add_argument(
+        "--step-policy",
+        choices=("carry", "wait"),
+        default="carry",
+        help="how a step holds the target: 'carry' counts a batch that ends past it toward "
+        "the next step, 'wait' stops computing at it (default carry; docs/training.md)",
+    )
     train.add_argument("--batch-size", type=int, default=16, help="local batch (default 16)")
+    train.add_argument(
+        "--torch-threads", type=int, help="torch threads for training (default: all cores)"
+    )
+    train.add_argument("--save", metavar="PATH", help="write the final model's state_dict here")
+    train.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="resume from PATH if it exists; write the training state there periodically",
+    )
+    train.add_argument(
+        "--checkpoint-every", type=float, default=60.0, help="seconds between checkpoints (60)"
+    )
+    train.add_argument(
+        "--diloco", type=int, metavar="H", help="train with DiLoCo, H inner steps per round"
+    )
+    train.add_argument(
+        "--compression",
+        choices=("none", "fp16", "bf16", "int8"),
+        default="none",
+        help="codec of the all-reduce (default none)",
+    )
+    train.add_argument(
+        "--matchmaking-window", type=float, default=2.0, help="seconds to gather a group (2)"
+    )
     train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
     train.add_argument("--upload-mbit", type=float, help="announce this upload rate (Mbit/s)")
     train.add_argument("--download-mbit", type=float, help="announce this download rate (Mbit/s)")
@@ -465,6 +496,7 @@ def _run_train(args: argparse.Namespace) -> int:
         initial_peers=tuple(args.join),
         run_id=args.run_id,
         target_batch_size=args.target_batch_size,
+        step_policy=args.step_policy,
         batch_size=args.batch_size,
         seconds=args.seconds,
         upload_mbit=args.upload_mbit,
@@ -475,6 +507,13 @@ def _run_train(args: argparse.Namespace) -> int:
         identity_path=args.identity,
         nat=_train_nat_config(args),
         task=args.task,
+        torch_threads=args.torch_threads,
+        save_path=args.save,
+        checkpoint_path=args.checkpoint,
+        checkpoint_interval=args.checkpoint_every,
+        diloco_inner_steps=args.diloco,
+        compression=args.compression,
+        matchmaking_window=args.matchmaking_window,
     )
     _join_addresses(args)  # after the config's own checks: those name the flag to fix first
     with contextlib.ExitStack() as stack:

@@ -96,6 +96,9 @@ _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 TIMING_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 TIMING_BUCKETS += (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """Upper bounds (seconds) of the timing histograms' buckets; ``+Inf`` is added."""
+SAMPLE_BUCKETS: tuple[float, ...] = tuple(float(2**k) for k in range(4, 17))
+"""Upper bounds of the samples-per-step histogram's buckets (16 to 65,536)."""
+_BUCKETS: dict[str, tuple[float, ...]] = {"p2ptrain_train_step_samples": SAMPLE_BUCKETS}
 
 HELP: dict[str, str] = {
     # node_collector
@@ -147,6 +150,9 @@ HELP: dict[str, str] = {
     "p2ptrain_swarm_global_step": "The swarm's global step as last read.",
     "p2ptrain_swarm_samples_per_s": "The swarm's samples per second as last read.",
     "p2ptrain_peers_online": "Peers of the run online as last read.",
+    "p2ptrain_train_step_samples": "Samples the swarm averaged in each step this peer applied.",
+    "p2ptrain_train_last_step_samples": "Samples of the latest step this peer applied.",
+    "p2ptrain_train_target_batch_size": "The target batch size of the run.",
 }
 """One line of help per metric family, shown as ``# HELP`` in the Prometheus text."""
 
@@ -232,7 +238,11 @@ class Metrics:
                 text = self._help.get(name, name)
                 if kind is Histogram:
                     family: _Family = Histogram(
-                        name, text, names, registry=self.registry, buckets=TIMING_BUCKETS
+                        name,
+                        text,
+                        names,
+                        registry=self.registry,
+                        buckets=_BUCKETS.get(name, TIMING_BUCKETS),
                     )
                 else:
                     family = kind(name, text, names, registry=self.registry)
@@ -257,7 +267,7 @@ class Metrics:
         self._family(Gauge, name, labels).set(float(value))
 
     def observe(self, name: str, seconds: float, labels: Mapping[str, str] | None = None) -> None:
-        """Record one timing in the histogram ``name`` (buckets: :data:`TIMING_BUCKETS`)."""
+        """Record one value in the histogram ``name`` (a timing unless :data:`SAMPLE_BUCKETS`)."""
         self._family(Histogram, name, labels).observe(seconds)
 
     def add_collector(self, collector: Callable[[], Iterable[Sample]]) -> None:

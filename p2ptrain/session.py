@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from p2ptrain.errors import ConfigError, DHTError
@@ -47,7 +48,9 @@ __all__ = [
     "watch_status",
 ]
 
-_NUM_SHARDS = 1024
+_NUM_SHARDS = 2**40
+"""Shards of the data; a peer's is its whole PeerID digest modulo this, so two
+of even a thousand peers share one with probability below 10**-6."""
 _MBIT = 1e6 / 8
 
 
@@ -80,6 +83,8 @@ class TrainingSessionConfig:
         initial_peers: Addresses (``peerid@host:port``) to join through.
         run_id: The run to train in; peers with the same run id train together.
         target_batch_size: Samples the swarm accumulates before each step.
+        step_policy: How a step holds the target: ``carry`` or ``wait``
+            (see :mod:`p2ptrain.train.cut`).
         batch_size: Samples of each local batch.
         seconds: Seconds to train (from the moment the peer joined), or
             ``None`` to train until interrupted.
@@ -96,11 +101,24 @@ class TrainingSessionConfig:
         progress: How often progress is published and read.
         nat: NAT traversal (see :class:`~p2ptrain.peer.PeerConfig`), or
             ``None`` to dial plain TCP (LAN, loopback).
+        task: The task module (``None``: charlm).
+        torch_threads: ``torch.set_num_threads`` for training, or ``None``
+            for torch's default (all cores).
+        save_path: Write the final model's ``state_dict`` here (``torch.save``).
+        checkpoint_path: Resume from this checkpoint if it exists, and write
+            the whole training state to it every ``checkpoint_interval``
+            seconds and at the end; ``None`` for none.
+        checkpoint_interval: Seconds between two checkpoints.
+        diloco_inner_steps: Train with DiLoCo, this many inner steps per
+            round (H); ``None`` trains with the collaborative optimizer.
+        compression: Codec of the all-reduce: ``none``, ``fp16``, ``bf16``, ``int8``.
+        matchmaking_window: Seconds a peer gathers a step's group.
     """
 
     initial_peers: tuple[str, ...]
     run_id: str = "charlm"
     target_batch_size: int = 256
+    step_policy: str = "carry"
     batch_size: int = 16
     seconds: float | None = None
     upload_mbit: float | None = None
@@ -117,6 +135,13 @@ class TrainingSessionConfig:
     )
     nat: NATConfig | None = None
     task: str | None = None
+    torch_threads: int | None = None
+    save_path: str | None = None
+    checkpoint_path: str | None = None
+    checkpoint_interval: float = 60.0
+    diloco_inner_steps: int | None = None
+    compression: str = "none"
+    matchmaking_window: float = 2.0
 
     def __post_init__(self) -> None:
         owner = "TrainingSessionConfig"
@@ -125,6 +150,8 @@ class TrainingSessionConfig:
             raise ConfigError(f"{owner}.run_id must be a non-empty name without '/'")
         _integer(owner, "target_batch_size", self.target_batch_size, low=1, allow_none=False)
         _integer(owner, "batch_size", self.batch_size, low=1, allow_none=False)
+        if self.step_policy not in ("carry", "wait"):
+            raise ConfigError(f"{owner}.step_policy must be 'carry' or 'wait'")
         _number(owner, "seconds", self.seconds, low=0.0, allow_none=True)
         _number(owner, "upload_mbit", self.upload_mbit, low=0.0, allow_none=True)
         _number(owner, "download_mbit", self.download_mbit, low=0.0, allow_none=True)
@@ -138,6 +165,20 @@ class TrainingSessionConfig:
             raise ConfigError(f"{owner}.node must be a NodeConfig")
         if self.task is not None and (not isinstance(self.task, str) or not self.task):
             raise ConfigError(f"{owner}.task must be a module name or a .py path")
+        _integer(owner, "torch_threads", self.torch_threads, low=1, allow_none=True)
+        _integer(owner, "diloco_inner_steps", self.diloco_inner_steps, low=1, allow_none=True)
+        _number(owner, "checkpoint_interval", self.checkpoint_interval, low=0.0, allow_none=False)
+        _number(owner, "matchmaking_window", self.matchmaking_window, low=0.0, allow_none=False)
+        if self.compression not in ("none", "fp16", "bf16", "int8"):
+            raise ConfigError(f"{owner}.compression must be none, fp16, bf16 or int8")
+        if self.checkpoint_path is not None and not (
+            isinstance(self.checkpoint_path, str) and self.checkpoint_path
+        ):
+            raise ConfigError(f"{owner}.checkpoint_path must be a path")
+        if self.save_path is not None and (
+            not isinstance(self.save_path, str) or not self.save_path
+        ):
+            raise ConfigError(f"{owner}.save_path must be a path")
         if not isinstance(self.progress, ProgressConfig):
             raise ConfigError(f"{owner}.progress must be a ProgressConfig")
         if self.nat is not None:
@@ -176,9 +217,10 @@ class TrainingSummary:
     syncs: int
 
 
-def _shard_of(peer_id: PeerID) -> int:
+def shard_of(peer_id: PeerID) -> tuple[int, int]:
+    """A peer's data shard and the number of shards: from its whole PeerID digest."""
     digest = hashlib.sha256(str(peer_id).encode()).digest()
-    return int.from_bytes(digest[:4], "big") % _NUM_SHARDS
+    return int.from_bytes(digest, "big") % _NUM_SHARDS, _NUM_SHARDS
 
 
 class _Display:
@@ -247,6 +289,7 @@ def run_training_peer(
     import torch  # noqa: PLC0415 - slow import, only for training
 
     from p2ptrain.allreduce.bandwidth import ThroughputConfig  # noqa: PLC0415
+    from p2ptrain.allreduce.config import AllReduceConfig  # noqa: PLC0415
     from p2ptrain.allreduce.matchmaking import MatchmakingConfig  # noqa: PLC0415
     from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
     from p2ptrain.metrics import (  # noqa: PLC0415
@@ -258,11 +301,18 @@ def run_training_peer(
     )
     from p2ptrain.peer import Peer, PeerConfig  # noqa: PLC0415
     from p2ptrain.task import load_task, lr_schedule  # noqa: PLC0415 - imports torch
-    from p2ptrain.train import CollaborativeOptimizer, TrainerConfig  # noqa: PLC0415
+    from p2ptrain.train import (  # noqa: PLC0415
+        CollaborativeOptimizer,
+        DiLoCoConfig,
+        DiLoCoOptimizer,
+        TrainerConfig,
+    )
+    from p2ptrain.train.base import SwarmTrainer  # noqa: PLC0415
 
     task = load_task(config.task)
     emit = log or (lambda event: None)
-    torch.set_num_threads(1)
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
     inner = task.optimizer
     schedule = lr_schedule(task)
 
@@ -275,16 +325,14 @@ def run_training_peer(
     peer_config = PeerConfig(
         node=config.node,
         dht=DHTNodeConfig(initial_peers=config.initial_peers),
-        matchmaking=MatchmakingConfig(window=2.0, poll_interval=0.05, plan_timeout=5.0),
+        matchmaking=MatchmakingConfig(
+            window=config.matchmaking_window, poll_interval=0.05, plan_timeout=5.0
+        ),
         throughput=throughput,
         identity_path=config.identity_path,
         nat=config.nat,
     )
-    trainer_config = TrainerConfig(
-        run_id=config.run_id,
-        target_batch_size=config.target_batch_size,
-        progress=config.progress,
-    )
+    codec = AllReduceConfig(codec=config.compression)
     metrics = Metrics()
     screen = _Display(display)
     with Peer(peer_config) as peer:
@@ -311,13 +359,37 @@ def run_training_peer(
         )
         if announce is not None:
             announce(peer.address)
-        shard = _shard_of(peer.peer_id)
+        shard, num_shards = shard_of(peer.peer_id)
         local, last_loss = 0, math.nan
+        trainer: SwarmTrainer
+        if config.diloco_inner_steps is not None:
+            diloco = DiLoCoConfig(
+                run_id=config.run_id,
+                inner_steps=config.diloco_inner_steps,
+                allreduce=codec,
+                progress=config.progress,
+            )
+            trainer = DiLoCoOptimizer(
+                inner, peer=peer, config=diloco, metrics=metrics, model=task.model
+            )
+        else:
+            trainer_config = TrainerConfig(
+                run_id=config.run_id,
+                target_batch_size=config.target_batch_size,
+                step_policy=config.step_policy,
+                allreduce=codec,
+                progress=config.progress,
+            )
+            trainer = CollaborativeOptimizer(
+                inner, peer=peer, config=trainer_config, metrics=metrics, model=task.model
+            )
+        checkpoint = config.checkpoint_path
+        if checkpoint is not None and Path(checkpoint).exists():
+            trainer.load_checkpoint(checkpoint)  # then start() downloads if the swarm moved on
         try:
-            with CollaborativeOptimizer(
-                inner, peer=peer, config=trainer_config, metrics=metrics
-            ) as trainer:
+            with trainer:
                 started = time.monotonic()
+                next_save = started + config.checkpoint_interval
                 deadline = math.inf if config.seconds is None else started + config.seconds
                 next_log = started
                 window_start, window_samples, rate = started, 0, 0.0
@@ -328,6 +400,7 @@ def run_training_peer(
                         window_start, window_samples = now, 0
                         view = trainer.swarm_progress()
                         step = max(trainer.global_step, view.global_step)
+                        last_step = trainer.last_step
                         emit(
                             {
                                 "event": "progress",
@@ -343,6 +416,9 @@ def run_training_peer(
                                 "peers_online": view.peers_online,
                                 "rounds": trainer.stats.rounds,
                                 "local_rounds": trainer.stats.local_rounds,
+                                "target_batch_size": config.target_batch_size,
+                                "step_samples": None if last_step is None else last_step.samples,
+                                "step_own_samples": None if last_step is None else last_step.own,
                                 "metrics": metrics.snapshot()["metrics"],
                             }
                         )
@@ -357,19 +433,24 @@ def run_training_peer(
                         )
                         next_log = now + config.log_interval
                     schedule(trainer.global_step)
-                    batch = task.batch(
-                        local, config.batch_size, shard=shard, num_shards=_NUM_SHARDS
-                    )
+                    batch = task.batch(local, config.batch_size, shard=shard, num_shards=num_shards)
                     value = task.loss(batch)
                     value.backward()  # type: ignore[no-untyped-call]  # torch stubs leave it untyped
                     last_loss = float(value.item())
                     local += 1
                     window_samples += config.batch_size
                     trainer.step(config.batch_size)
+                    if checkpoint is not None and time.monotonic() >= next_save:
+                        trainer.save_checkpoint(checkpoint)
+                        next_save = time.monotonic() + config.checkpoint_interval
                 elapsed = time.monotonic() - started
+                if checkpoint is not None:
+                    trainer.save_checkpoint(checkpoint)
                 stats = trainer.stats
                 final_step = trainer.global_step
                 announced = peer.capacity()  # what matchmaking announced last
+            if config.save_path is not None:
+                torch.save(task.model.state_dict(), config.save_path)
         finally:
             screen.done()
             if server is not None:
@@ -508,6 +589,13 @@ def _bandwidth(record: PeerProgress) -> str:
     return f"{up / 1e6:.1f}/{down / 1e6:.1f}"
 
 
+def _step_samples(record: PeerProgress) -> str:
+    """The "step samples/target" cell: the samples of the peer's latest step, and its target."""
+    samples = "?" if record.last_step_samples is None else str(record.last_step_samples)
+    target = "?" if record.target is None else str(record.target)
+    return f"{samples}/{target}"
+
+
 def _ago(seconds: float) -> str:
     seconds = max(0.0, seconds)
     return f"{seconds:.1f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
@@ -535,7 +623,15 @@ def format_status(
     view = aggregate(records, target_batch_size=target_batch_size, now=now)
     if not view.records:
         return f"run {run_id!r}: no live peers found"
-    headers = ("PeerID", "reach/path", "samples/s", "up/down MB/s", "last seen", "global step")
+    headers = (
+        "PeerID",
+        "reach/path",
+        "samples/s",
+        "up/down MB/s",
+        "last seen",
+        "step samples/target",
+        "global step",
+    )
     rows = [
         (
             r.peer_id.short,
@@ -543,6 +639,7 @@ def format_status(
             f"{r.samples_per_s:.1f}",
             _bandwidth(r),
             _ago(now - r.time),
+            _step_samples(r),
             str(r.step),
         )
         for r in view.records

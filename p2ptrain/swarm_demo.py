@@ -313,6 +313,8 @@ def _train_argv(
         host,
         "--log-json",
         "-",
+        "--torch-threads",
+        "1",  # the peers share this machine's cores
     )
 
 

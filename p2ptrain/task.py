@@ -6,6 +6,7 @@ module (an importable name, or a path to a ``.py`` file) passed with
 these members (see :class:`TrainingTask`)::
 
     # my_task.py
+    import numpy as np
     import torch
 
     class LinearTask:
@@ -15,8 +16,8 @@ these members (see :class:`TrainingTask`)::
             self._w = torch.randn(8, 1, generator=torch.Generator().manual_seed(0))
 
         def batch(self, index: int, batch_size: int, *, shard: int, num_shards: int):
-            seed = (index * num_shards + shard) % 2**63
-            x = torch.randn(batch_size, 8, generator=torch.Generator().manual_seed(seed))
+            rng = np.random.default_rng([index, shard])  # a stream per (index, shard)
+            x = torch.from_numpy(rng.standard_normal((batch_size, 8), dtype=np.float32))
             return x, x @ self._w
 
         def loss(self, batch) -> torch.Tensor:
@@ -28,7 +29,9 @@ these members (see :class:`TrainingTask`)::
 
 Every peer builds the task the same way, so the models start equal (a late
 joiner downloads the swarm's state anyway). ``batch`` gets the peer's shard
-(from its PeerID) so that peers draw different data. A task may also define
+(from its whole PeerID digest, one of ``num_shards`` = 2**40) so that peers
+draw different data: seed with all of it (a torch ``Generator`` keeps only
+32 bits of a seed; numpy's ``default_rng([index, shard])`` keeps them all). A task may also define
 ``lr_scale(global_step) -> float``: the swarm-wide learning-rate schedule (a
 warm-up, say), a factor on each parameter group's initial rate, read by
 every peer before each local batch so that all peers step alike.

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import ChildLines, cli_process
 from test_task import documented_example
 
 from p2ptrain.cli import main
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import Identity
-from p2ptrain.session import TrainingSessionConfig, format_status
+from p2ptrain.session import TrainingSessionConfig, format_status, shard_of
 from p2ptrain.train.progress import PeerProgress
 
 
@@ -53,6 +54,9 @@ def test_two_peers_train_and_status_lists_them(procs: list[ChildLines]) -> None:
     events = [_wait_for_joint_step(peer, deadline) for peer in peers]
     ids = {e["peer_id"] for e in events}
     assert len(ids) == 2
+    for event in events:  # the samples of the latest step, beside the target
+        assert event["target_batch_size"] == 16
+        assert 0 < event["step_samples"] <= 16 + 2 * 4  # at most a batch per peer past it
 
     status = subprocess.run(
         [sys.executable, "-m", "p2ptrain.cli", "status", "--join", address, "--run-id", "t"],
@@ -68,6 +72,8 @@ def test_two_peers_train_and_status_lists_them(procs: list[ChildLines]) -> None:
     assert ids <= set(rows), status.stdout
     for peer_id in ids:
         assert int(rows[peer_id][-1]) >= 1  # the global step column
+        samples, target = rows[peer_id][-2].split("/")  # the step samples/target column
+        assert target == "16" and 0 < int(samples) <= 24, status.stdout
         assert rows[peer_id][1] == "direct"
     # up/down MB/s: the rates the first peer announced (50 and 100 Mbit/s)
     assert rows[events[0]["peer_id"]][4] == "6.2/12.5", status.stdout
@@ -125,6 +131,7 @@ def test_format_status_orders_by_step() -> None:
     assert "2.5/10.0" in lines[3] and "up/down MB/s" in lines[1]
     assert lines[4].startswith(a.short) and "client mode" in lines[4]
     assert "1.0s ago" in lines[4]
+    assert "step samples/target" in lines[1] and lines[4].split()[-2] == "?/?"
 
 
 def test_train_runs_a_users_task_module(procs: list[ChildLines], tmp_path: Path) -> None:
@@ -138,7 +145,7 @@ def test_train_runs_a_users_task_module(procs: list[ChildLines], tmp_path: Path)
     peer = cli_process(
         "train", "--join", address, "--run-id", "own", "--task", str(task_file),
         "--seconds", "6", "--target-batch-size", "32", "--batch-size", "16",
-        "--log-json", "-",
+        "--log-json", "-", "--torch-threads", "1", "--save", str(tmp_path / "model.pt"),
     )  # fmt: skip
     procs.append(peer)
     events = []
@@ -148,3 +155,73 @@ def test_train_runs_a_users_task_module(procs: list[ChildLines], tmp_path: Path)
     assert end["global_step"] >= 2 and end["local_steps"] >= 4, end
     # The linear model learns its target (the untrained loss is about |w|^2, ~8).
     assert end["loss"] < 1e-3, end
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)  # --save wrote the model
+    assert set(saved) == {"weight", "bias"} and saved["weight"].shape == (1, 8)
+
+
+def test_two_peers_never_draw_the_same_batch() -> None:
+    """Shards come from the whole PeerID digest: 10,000 draws of two peers never coincide."""
+    from p2ptrain.examples.charlm.task import CharLMTask
+
+    a, b = (shard_of(Identity.generate().peer_id) for _ in range(2))
+    assert a[0] != b[0] and a[1] == b[1] >= 2**40
+    namespace: dict[str, Any] = {}
+    exec(documented_example(), namespace)  # the task of p2ptrain/task.py's docstring
+    linear = namespace["make_task"]()
+    draws = [
+        {linear.batch(i, 4, shard=s, num_shards=n)[0].numpy().tobytes() for i in range(10_000)}
+        for s, n in (a, b)
+    ]
+    assert len(draws[0]) == len(draws[1]) == 10_000 and not draws[0] & draws[1]
+    # charlm: the sample indices of the two peers' 10,000 batches are disjoint
+    firsts = [{(i * n + s) * 16 for i in range(10_000)} for s, n in (a, b)]
+    assert not firsts[0] & firsts[1]
+    charlm = CharLMTask()
+    for i in range(20):
+        assert not torch.equal(
+            charlm.batch(i, 16, shard=a[0], num_shards=a[1]),
+            charlm.batch(i, 16, shard=b[0], num_shards=b[1]),
+        )
+
+
+def _events_until_end(peer: ChildLines, deadline: float) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    while not events or events[-1]["event"] != "end":
+        events.append(json.loads(peer.next_line(deadline)))
+    return events
+
+
+@pytest.mark.slow
+def test_a_stopped_swarm_resumes_from_its_checkpoints(
+    procs: list[ChildLines], tmp_path: Path
+) -> None:
+    """Two peers stop, restart with --checkpoint, and go on from their global step."""
+    task_file = tmp_path / "my_task.py"
+    task_file.write_text(documented_example())
+    deadline = time.monotonic() + 110
+    boot = cli_process("bootstrap", "--port", "0")
+    procs.append(boot)
+    assert "ready" in boot.next_line(deadline)
+    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+
+    def run(seconds: str) -> list[list[dict[str, Any]]]:
+        common = ["train", "--join", address, "--run-id", "resume", "--task", str(task_file)]
+        common += ["--seconds", seconds, "--target-batch-size", "32", "--batch-size", "8"]
+        common += ["--log-json", "-", "--torch-threads", "1", "--checkpoint-every", "1"]
+        peers = [
+            cli_process(*common, "--checkpoint", str(tmp_path / f"peer{i}.pt")) for i in range(2)
+        ]
+        procs.extend(peers)
+        return [_events_until_end(peer, deadline) for peer in peers]
+
+    before = run("4")
+    steps = [events[-1]["global_step"] for events in before]
+    assert min(steps) >= 2, steps
+    last_loss = max(events[-1]["loss"] for events in before)
+    after = run("3")
+    for events, step in zip(after, steps, strict=True):
+        progress = [e for e in events if e["event"] == "progress"]
+        assert progress[0]["global_step"] >= step  # resumed, not restarted from 0
+        first_loss = next(e["loss"] for e in progress if e["loss"] is not None)
+        assert first_loss <= max(2 * last_loss, 1e-3), (first_loss, last_loss)
+        assert events[-1]["global_step"] > step

@@ -10,15 +10,20 @@ As a script, it runs one peer of a swarm (for the crash test). Usage::
     python tests/train_worker.py '<json job>'
 
 The job: ``{"initial_peers": [...], "run_id": str, "target": int, "batch":
-int, "steps": int, "shard": int, "num_shards": int, "compute_s": float}``.
-The worker prints one JSON object a line: ``{"address": ...}`` once started,
-then ``{"step": n, "t": unix time, "local_rounds": k}`` after every global
-step, and ``{"done": true}`` when it reached ``steps``. It exits when done or
-when its stdin closes.
+int, "steps": int, "shard": int, "num_shards": int, "compute_s": float}``
+and optionally ``"policy"`` (the step policy, default the library's) and
+``"wait_go": true`` (train only after a line "go" on stdin). The
+worker prints one JSON object a line: ``{"address": ...}`` once started,
+then ``{"step": n, "t": unix time, "local_rounds": k, "own": samples,
+"samples": step total or null, "digest": parameters' sha256}`` after every
+global step, and ``{"done": true, "computed": samples, "pending": samples}``
+when it reached ``steps`` (samples it computed, and those it holds toward
+steps not taken). It exits when done or when its stdin closes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -99,6 +104,14 @@ def backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     loss_of(model, x, y).backward()  # type: ignore[no-untyped-call]
 
 
+def digest(model: nn.Module) -> str:
+    """The sha256 of the model's parameters' bytes (equal digests: identical parameters)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
 def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -112,18 +125,22 @@ def _watch_stdin() -> None:
 def main(job: dict[str, Any]) -> None:
     """Train one peer of the swarm described by ``job`` (see the module docstring)."""
     torch.set_num_threads(1)
-    threading.Thread(target=_watch_stdin, daemon=True).start()
     x, y = dataset(200_000)
     model = make_model(0)
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    extra = {"step_policy": job["policy"]} if "policy" in job else {}
     config = TrainerConfig(
         run_id=job["run_id"],
         target_batch_size=job["target"],
         progress=FAST_PROGRESS,
+        **extra,
     )
     batch, shard, num_shards = job["batch"], job["shard"], job["num_shards"]
     with Peer(peer_config(tuple(job["initial_peers"]))) as peer:
         _emit({"address": peer.address})
+        if job.get("wait_go") and sys.stdin.readline().strip() != "go":
+            return
+        threading.Thread(target=_watch_stdin, daemon=True).start()
         with CollaborativeOptimizer(inner, peer=peer, config=config) as opt:
             local = 0
             while opt.global_step < job["steps"]:
@@ -131,15 +148,23 @@ def main(job: dict[str, Any]) -> None:
                 backward(model, x[part], y[part])
                 time.sleep(job["compute_s"])  # stands for a real model's compute time
                 local += 1
-                if opt.step(batch):
+                before = opt.global_step
+                opt.step(batch)
+                if opt.global_step != before:
+                    record = opt.last_step
                     _emit(
                         {
                             "step": opt.global_step,
                             "t": time.time(),
                             "local_rounds": opt.stats.local_rounds,
+                            "syncs": opt.stats.syncs,
+                            "own": None if record is None else record.own,
+                            "samples": None if record is None else record.samples,
+                            "digest": digest(model),
                         }
                     )
-            _emit({"done": True})
+            pending = opt.local_samples + opt.carried_samples
+            _emit({"done": True, "computed": local * batch, "pending": pending})
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from p2ptrain.errors import ConfigError, MatchmakingError, P2PTrainError
 from p2ptrain.identity import PeerID
 from p2ptrain.peer import Peer
 
-__all__ = ["RoundOutcome", "SwarmAverager", "step_key"]
+__all__ = ["RoundOutcome", "SwarmAverager", "group_weight", "step_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,35 @@ class RoundOutcome:
             for index, reason in shard.excluded.items():
                 dropped.setdefault(index, f"left out of member {shard.owner}'s shard: {reason}")
         return dropped
+
+
+def group_weight(outcome: RoundOutcome, *, length: int, marker: float) -> int | None:
+    """The group's total weight (samples) of a step, read from a marker element.
+
+    A trainer that appends ``1 / weight`` to the vector it averages (weighted
+    mean) gets back ``k / W`` in that element, where ``k`` members of total
+    weight ``W`` contributed to it; the report says who contributed. A peer
+    that averaged alone holds its own weight.
+
+    Args:
+        outcome: The step's outcome.
+        length: Elements of the averaged vector (the marker is the last).
+        marker: The marker element of the averaged vector.
+
+    Returns:
+        ``W`` rounded to an int, or ``None`` when the last chunk kept local
+        values (its average did not arrive) or the marker is not positive.
+    """
+    report = outcome.report
+    if report is None:
+        return round(outcome.weight)
+    shard = next((s for s in report.shards if s.start < length <= s.stop), None)
+    if shard is None or not shard.chunk_contributors:
+        return None
+    contributors = shard.chunk_contributors[-1]
+    if not contributors or not marker > 0:
+        return None
+    return round(len(contributors) / marker)
 
 
 class SwarmAverager:

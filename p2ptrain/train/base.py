@@ -8,7 +8,15 @@ never held while waiting for the network.
 
 Subclasses say what their state is (:meth:`SwarmTrainer._capture`), how to
 install a received one (:meth:`SwarmTrainer._install`), and how a step is
-applied (:meth:`SwarmTrainer._global_step`).
+applied (:meth:`SwarmTrainer._global_step`). The base adds what every state
+carries: the model's buffers (e.g. BatchNorm statistics, when the trainer is
+given the ``model``) and the state of registered objects such as learning-rate
+schedulers and a ``GradScaler`` (:meth:`SwarmTrainer.register_state`).
+
+A trainer is a ``torch.optim.Optimizer``: ``param_groups``, ``state`` and
+``defaults`` are the inner optimizer's, so learning-rate schedulers and
+``torch.amp.GradScaler`` drive it; ``step()`` takes the local batch size as
+an argument or from ``batch_size=`` given at construction, and a closure.
 """
 
 from __future__ import annotations
@@ -17,15 +25,22 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any, ClassVar, Self
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol, Self
 
 import torch
 
 from p2ptrain.errors import CheckpointError, ConfigError, StateSyncError
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
-from p2ptrain.train.collaboration import Collaboration, SwarmSettings, TrainerStats
+from p2ptrain.train.averaging import RoundOutcome
+from p2ptrain.train.collaboration import (
+    Collaboration,
+    StepRecord,
+    SwarmSettings,
+    TrainerStats,
+)
 from p2ptrain.train.policy import Action
 from p2ptrain.train.progress import SwarmProgress
 from p2ptrain.train.state import (
@@ -57,6 +72,11 @@ def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.nn.Para
     return params
 
 
+def _check_batch_size(batch_size: object) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        raise ConfigError(f"batch_size must be an int >= 0, got {batch_size!r}")
+
+
 def check_params(received: object, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Check that a received parameter list matches the local parameters' shapes.
 
@@ -73,6 +93,14 @@ def check_params(received: object, params: Sequence[torch.Tensor]) -> list[torch
     return received
 
 
+class Stateful(Protocol):
+    """An object whose state a trainer carries (a scheduler, a gradient scaler)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: object, what: str) -> None:
     """``optimizer.load_state_dict(state)``, with failures as StateSyncError."""
     if not isinstance(state, dict):
@@ -83,13 +111,17 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: object, what: 
         raise StateSyncError(f"cannot load the {what} state: {exc}") from exc
 
 
-class SwarmTrainer(ABC):
+class SwarmTrainer(torch.optim.Optimizer, ABC):
     """Base of the trainers (see the module docstring).
 
     Args:
         optimizer: The torch optimizer over the parameters to train.
         peer: The started peer to train through.
         metrics: Optional registry for the trainer's figures.
+        model: The model, if its buffers (e.g. BatchNorm statistics) belong
+            in the state that late joiners download and checkpoints keep.
+        batch_size: The local batch size ``step()`` uses when not given one
+            (e.g. when a ``GradScaler`` calls it).
     """
 
     kind: ClassVar[str]
@@ -101,8 +133,22 @@ class SwarmTrainer(ABC):
         *,
         peer: Peer,
         metrics: Metrics | None = None,
+        model: torch.nn.Module | None = None,
+        batch_size: int | None = None,
     ) -> None:
+        # Not Optimizer.__init__: the inner optimizer owns param_groups and state.
+        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        if batch_size is not None:
+            _check_batch_size(batch_size)
+        self.batch_size = batch_size
         self.optimizer = optimizer
+        self._buffers: list[torch.Tensor] = [] if model is None else list(model.buffers())
+        self._stateful: dict[str, Stateful] = {}
         self.peer = peer
         self.metrics = metrics
         self._params = optimizer_parameters(optimizer)
@@ -110,14 +156,106 @@ class SwarmTrainer(ABC):
         self._step = 0
         self._samples = 0
         self._collab: Collaboration | None = None
+        self._outcome: RoundOutcome | None = None
 
     @abstractmethod
-    def step(self, batch_size: int) -> bool:
+    def step(  # type: ignore[override]
+        self, batch_size: int | None = None, closure: Callable[[], Any] | None = None
+    ) -> bool:
         """Account a local batch of ``batch_size`` samples after its ``backward()``.
+
+        Args:
+            batch_size: Samples of the batch (default: the ``batch_size``
+                given at construction).
+            closure: Called first (with gradients enabled) to compute the
+                loss and its gradients, as ``torch.optim`` closures do.
 
         Returns:
             Whether the parameters changed by a swarm step or a downloaded state.
         """
+
+    def _batch(self, batch_size: int | None, closure: Callable[[], Any] | None) -> int:
+        """The batch size of a ``step()`` call, after running its closure."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        if batch_size is None:
+            if self.batch_size is None:
+                raise ConfigError("step() needs a batch_size (or batch_size= at construction)")
+            return self.batch_size
+        _check_batch_size(batch_size)
+        return batch_size
+
+    # -- the torch.optim.Optimizer surface ------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups (schedulers change their ``lr``)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's per-parameter state."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's defaults."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients (not what was accumulated toward a step)."""
+        for p in self._params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: a swarm trains a fixed set of parameters."""
+        raise ConfigError("a swarm trainer's parameters are fixed; add them to the inner optimizer")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole training state (as :meth:`snapshot`), for ``torch.save``."""
+        snapshot = self.snapshot()
+        return {"global_step": snapshot.step, "state": snapshot.state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Install a state returned by :meth:`state_dict`.
+
+        Raises:
+            StateSyncError: It does not fit this trainer.
+        """
+        step = state_dict.get("global_step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StateSyncError("a trainer state_dict carries its global_step")
+        self.load_snapshot(TrainingSnapshot(step, state_dict.get("state")))
+
+    def register_state(self, name: str, obj: Stateful) -> None:
+        """Carry ``obj``'s state (a scheduler, a ``GradScaler``) in snapshots and checkpoints.
+
+        Register the same names in the same order on every peer.
+        """
+        if not isinstance(name, str) or not name:
+            raise ConfigError("a registered state needs a name")
+        if not callable(getattr(obj, "state_dict", None)) or not callable(
+            getattr(obj, "load_state_dict", None)
+        ):
+            raise ConfigError(f"{name!r} has no state_dict() and load_state_dict()")
+        self._stateful[name] = obj
 
     # -- what subclasses provide ----------------------------------------------------------
 
@@ -134,8 +272,13 @@ class SwarmTrainer(ABC):
         """Install a state (called under the lock); StateSyncError if it does not fit."""
 
     @abstractmethod
-    def _global_step(self) -> None:
-        """Average with the swarm and apply the step (the lock is not held)."""
+    def _global_step(self) -> bool:
+        """Average with the swarm and apply the step (the lock is not held).
+
+        Returns:
+            Whether the parameters changed (a trainer may average in the
+            background and apply the step at a later call).
+        """
 
     @property
     def _blocked(self) -> bool:
@@ -183,6 +326,11 @@ class SwarmTrainer(ABC):
         return self._samples
 
     @property
+    def last_step(self) -> StepRecord | None:
+        """The samples of the latest swarm step this peer applied (``None`` before one)."""
+        return None if self._collab is None else self._collab.last_step
+
+    @property
     def stats(self) -> TrainerStats:
         """What the trainer did so far."""
         return TrainerStats() if self._collab is None else self._collab.stats
@@ -202,7 +350,10 @@ class SwarmTrainer(ABC):
     def snapshot(self) -> TrainingSnapshot:
         """A consistent copy of the trainer's state (thread-safe)."""
         with self._lock:
-            return TrainingSnapshot(self._step, clone_state(self._capture()))
+            state = self._capture()
+            state["buffers"] = [b.detach() for b in self._buffers]
+            state["extra"] = {name: obj.state_dict() for name, obj in self._stateful.items()}
+            return TrainingSnapshot(self._step, clone_state(state))
 
     def load_snapshot(self, snapshot: TrainingSnapshot) -> None:
         """Install ``snapshot``; what was accumulated toward the next step is dropped.
@@ -213,12 +364,34 @@ class SwarmTrainer(ABC):
         state = snapshot.state
         if not isinstance(state, dict) or state.get("kind") != self.kind:
             raise StateSyncError(f"not a {self.kind} training state")
+        buffers = self._check_buffers(state.get("buffers", []))
+        extra = state.get("extra", {})
+        if not isinstance(extra, dict) or set(extra) != set(self._stateful):
+            raise StateSyncError(
+                f"the state carries other registered states than {list(self._stateful)}"
+            )
         with self._lock:
             self._install(snapshot)
+            with torch.no_grad():
+                for mine, value in zip(self._buffers, buffers, strict=True):
+                    mine.copy_(value)
+            for name, obj in self._stateful.items():
+                try:
+                    obj.load_state_dict(extra[name])
+                except (ValueError, KeyError, TypeError, RuntimeError, AttributeError) as exc:
+                    raise StateSyncError(f"cannot load the state of {name!r}: {exc}") from exc
             self._step = snapshot.step
         self._samples = 0
         if self._collab is not None and self._collab.started:
             self._collab.report(step=self._step, samples=0, blocked=False)
+
+    def _check_buffers(self, received: object) -> list[torch.Tensor]:
+        if not isinstance(received, list) or len(received) != len(self._buffers):
+            raise StateSyncError(f"expected {len(self._buffers)} model buffers")
+        for index, (theirs, ours) in enumerate(zip(received, self._buffers, strict=True)):
+            if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
+                raise StateSyncError(f"buffer {index} has another shape than {tuple(ours.shape)}")
+        return received
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Write the trainer's state to ``path`` atomically.
@@ -264,8 +437,7 @@ class SwarmTrainer(ABC):
             step=self._step, samples=self._samples, blocked=blocked, num_elements=num_elements
         )
         if action is Action.STEP:
-            self._global_step()
-            return True
+            return self._global_step()
         if action is Action.SYNC:
             return self.sync_state()
         return False
@@ -277,9 +449,14 @@ class SwarmTrainer(ABC):
             The average, or ``None`` when this peer missed the swarm's group
             and downloaded the swarm's state instead (then nothing is applied).
         """
+        averaged, outcome = self._collaboration.average(self._step, vector, weight)
+        return self._settle(averaged, outcome)
+
+    def _settle(self, averaged: torch.Tensor, outcome: RoundOutcome) -> torch.Tensor | None:
+        """What :meth:`_average` returns, given the all-reduce's result for the current step."""
         collab = self._collaboration
         step = self._step
-        averaged, outcome = collab.average(step, vector, weight)
+        self._outcome = outcome
         if outcome.fallback is not None and collab.moved_past(step):
             logger.info(  # normal for a late joiner or a slow peer: not a warning
                 "step %d finished without this peer; downloading the swarm's state", step
@@ -288,6 +465,7 @@ class SwarmTrainer(ABC):
                 return None
         return averaged
 
-    def _stepped(self) -> None:
-        self._samples = 0
-        self._collaboration.stepped(self._step)
+    def _stepped(self, *, carried: int = 0, step_samples: int | None = None, own: int = 0) -> None:
+        """The step was applied; ``carried`` samples already count toward the next one."""
+        self._samples = carried
+        self._collaboration.stepped(self._step, samples=carried, step_samples=step_samples, own=own)

@@ -25,6 +25,7 @@ the training thread) and registers a collector of the rounds' figures.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -39,14 +40,15 @@ from p2ptrain.metrics import Metrics, allreduce_collector
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.peer import Peer
 from p2ptrain.train.averaging import RoundOutcome, SwarmAverager
-from p2ptrain.train.policy import Action, decide, step_is_near
+from p2ptrain.train.cut import Placement, StepPolicy, place_batch
+from p2ptrain.train.policy import Action, LeadTimer, decide, step_is_near
 from p2ptrain.train.progress import ProgressConfig, RateMeter, SwarmProgress
 from p2ptrain.train.round_stats import RoundStats
 from p2ptrain.train.state import TrainingSnapshot
 from p2ptrain.train.state_sync import StateServer, StateSyncConfig, download_state
 from p2ptrain.train.tracker import ProgressTracker
 
-__all__ = ["Collaboration", "SwarmSettings", "TrainerStats"]
+__all__ = ["Collaboration", "StepRecord", "SwarmSettings", "TrainerStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +65,10 @@ class SwarmSettings:
         progress: Progress publication and reads.
         allreduce: Codec and aggregation of the all-reduce.
         state: State serving and downloading.
-        matchmaking_lead: Seconds ahead of a step to matchmake (``None``: half
-            the matchmaking window).
+        matchmaking_lead: Seconds ahead of a step to matchmake (``None``:
+            measured, see :class:`~p2ptrain.train.policy.LeadTimer`).
         sync_tolerance: Steps a peer may lag and still join a step.
+        step_policy: How a step holds the target (:mod:`p2ptrain.train.cut`).
     """
 
     run_id: str
@@ -75,6 +78,34 @@ class SwarmSettings:
     state: StateSyncConfig
     matchmaking_lead: float | None
     sync_tolerance: int
+    step_policy: StepPolicy = StepPolicy.UNBOUNDED
+
+
+@dataclass(frozen=True)
+class PendingAverage:
+    """An average running on the peer's loop (see :meth:`Collaboration.begin_average`)."""
+
+    step: int
+    future: concurrent.futures.Future[tuple[torch.Tensor, RoundOutcome]]
+    started: float
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """The samples of one swarm step this peer applied.
+
+    Attributes:
+        step: The step's index (the global step before it was applied).
+        own: This peer's samples in it.
+        samples: All the group's samples in it (the all-reduce's total
+            weight), or ``None`` if unknown (e.g. a lossy codec).
+        target: The target batch size.
+    """
+
+    step: int
+    own: int
+    samples: int | None
+    target: int | None
 
 
 @dataclass(frozen=True)
@@ -98,6 +129,10 @@ class TrainerStats:
         matchmaking_s: Seconds from the start of matchmaking to the plan,
             summed over steps (early matchmaking overlaps computing).
         allreduce_s: Seconds the all-reduces took, summed over steps.
+        steps_counted: Steps whose samples this peer learned (from the
+            all-reduce's total weight, or its own when it stepped alone).
+        step_samples: Those steps' samples summed: the samples the swarm
+            trained on, as this peer saw its steps.
     """
 
     global_step: int = 0
@@ -112,6 +147,8 @@ class TrainerStats:
     sync_s: float = 0.0
     matchmaking_s: float = 0.0
     allreduce_s: float = 0.0
+    steps_counted: int = 0
+    step_samples: int = 0
 
     @property
     def communication_s(self) -> float:
@@ -146,8 +183,20 @@ class Collaboration:
         self.state_config = settings.state
         self.metrics = metrics
         self._snapshot = snapshot
-        lead = settings.matchmaking_lead
-        self.lead_time = peer.matchmaker.config.window / 2 if lead is None else lead
+        window = peer.matchmaker.config.window
+        self._lead: LeadTimer | None = None
+        self._fixed_lead = settings.matchmaking_lead
+        if self._fixed_lead is None:
+            self._lead = LeadTimer(
+                initial=window / 2,
+                read_interval=settings.progress.min_fetch_interval,
+                low=settings.progress.min_fetch_interval,
+                high=window,
+            )
+        self._closed = False
+        self.last_step: StepRecord | None = None
+        self._close_estimate: int | None = None
+        self._batch = 0
         self._tolerance = settings.sync_tolerance
         self._averager = SwarmAverager(
             peer=peer, run_id=settings.run_id, allreduce=settings.allreduce
@@ -240,6 +289,52 @@ class Collaboration:
         """This peer's recent compute throughput."""
         return self._rate.value
 
+    @property
+    def lead_time(self) -> float:
+        """Seconds before a step's estimated moment that matchmaking starts."""
+        if self._lead is not None:
+            return self._lead.value
+        return self._fixed_lead or 0.0
+
+    @property
+    def closed(self) -> bool:
+        """Whether this peer closed its current step (the step cut)."""
+        return self._closed
+
+    def place(self, *, step: int, own: int, batch: int) -> Placement:
+        """Place a local batch that just ended by the step cut (:func:`place_batch`).
+
+        Args:
+            step: The trainer's step.
+            own: Samples it holds toward ``step`` before the batch.
+            batch: The batch's samples.
+        """
+        policy = self.settings.step_policy
+        target = self.settings.target_batch_size
+        if policy is StepPolicy.UNBOUNDED or target is None:
+            return Placement(carry=False, close=False)
+        view = self._tracker.view()
+        others = view.estimate_samples(step, exclude=self.peer.peer_id, now=time.time())
+        swarm_closed = view.global_step == step and any(
+            r.closed and r.peer_id != self.peer.peer_id for r in view.records if r.step == step
+        )
+        own_rate = self._rate.value
+        others_rate = max(0.0, view.samples_per_s - own_rate)
+        per_batch = others_rate * batch / own_rate if own_rate > 0 else 0.0
+        placement = place_batch(
+            policy=policy,
+            target=target,
+            own=own,
+            batch=batch,
+            others=others,
+            swarm_closed=swarm_closed,
+            others_per_batch=per_batch,
+        )
+        if placement.close and not self._closed:
+            self._closed = True
+            self._close_estimate = own + (0 if placement.carry else batch) + others
+        return placement
+
     def view(self) -> SwarmProgress:
         """The swarm's progress as last read, with this peer's latest record."""
         return self._tracker.view()
@@ -252,6 +347,8 @@ class Collaboration:
         rate = self._rate.update(samples, now - self._computing_since)
         self.peer.set_samples_per_s(rate)
         self._computing_since = now
+        if samples > 0:
+            self._batch = samples
         self._add(samples=samples)
         if self.metrics is not None:
             self.metrics.inc("p2ptrain_train_samples_total", samples)
@@ -260,7 +357,12 @@ class Collaboration:
     def report(self, *, step: int, samples: int, blocked: bool) -> None:
         """Publish the trainer's step and samples toward the next step."""
         self._tracker.report(
-            step=step, samples=samples, samples_per_s=self._rate.value, blocked=blocked
+            step=step,
+            samples=samples,
+            samples_per_s=self._rate.value,
+            blocked=blocked,
+            closed=self._closed,
+            batch=self._batch,
         )
 
     def advance(self, *, step: int, samples: int, blocked: bool, num_elements: int) -> Action:
@@ -282,6 +384,7 @@ class Collaboration:
                     swarm=view,
                     lead_time=self.lead_time,
                     sync_tolerance=0 if self._fresh else self._tolerance,
+                    closed=self._closed,
                 )
                 if action is Action.SYNC and time.monotonic() < self._sync_retry_at:
                     action = Action.WAIT if blocked else Action.CONTINUE
@@ -334,23 +437,48 @@ class Collaboration:
         self, step: int, vector: torch.Tensor, weight: float
     ) -> tuple[torch.Tensor, RoundOutcome]:
         """Average ``vector`` with the swarm for ``step`` (see :class:`SwarmAverager`)."""
+        started = time.perf_counter()
+        pending = self.begin_average(step, vector, weight)
+        return self.end_average(pending, blocked_since=started)
+
+    def expects_group(self, step: int) -> bool:
+        """Whether other live peers are expected in the group of ``step``."""
+        return self._tracker.view().expected_in_group(step, exclude=self.peer.peer_id) > 0
+
+    def begin_average(self, step: int, vector: torch.Tensor, weight: float) -> PendingAverage:
+        """Start averaging ``vector`` for ``step`` on the peer's loop; the trainer
+        keeps computing and calls :meth:`end_average` (``vector`` must stay unchanged)."""
         view = self._tracker.view()
         group_size = 1 + view.expected_in_group(step, exclude=self.peer.peer_id)
-        started = time.perf_counter()
-        averaged, outcome = self.peer.run(
-            self._averager.average(step, vector, weight, group_size=group_size),
-            timeout=self._averager.deadline + _RUN_MARGIN,
+        future = self.peer.submit(
+            self._averager.average(step, vector, weight, group_size=group_size)
         )
+        return PendingAverage(step, future, time.perf_counter())
+
+    def end_average(
+        self, pending: PendingAverage, *, blocked_since: float | None = None
+    ) -> tuple[torch.Tensor, RoundOutcome]:
+        """Wait for an average begun by :meth:`begin_average` and count it.
+
+        Args:
+            pending: What :meth:`begin_average` returned.
+            blocked_since: When the training thread began waiting for it
+                (``None``: now); the wait counts as averaging time.
+        """
+        blocked = time.perf_counter() if blocked_since is None else blocked_since
+        averaged, outcome = pending.future.result(timeout=self._averager.deadline + _RUN_MARGIN)
         self._add(
             rounds=int(outcome.averaged),
             local_rounds=int(not outcome.averaged),
             bytes_sent=outcome.bytes_sent,
             bytes_received=outcome.bytes_received,
-            averaging_s=time.perf_counter() - started,
+            averaging_s=time.perf_counter() - blocked,
             matchmaking_s=outcome.matchmaking_s,
             allreduce_s=outcome.allreduce_s,
         )
         self.round_stats.record(outcome)
+        if self._lead is not None and outcome.averaged:
+            self._lead.record(outcome.matchmaking_s)
         if self.metrics is not None:
             labels = {"outcome": "group" if outcome.averaged else "local"}
             self.metrics.inc("p2ptrain_train_rounds_total", 1, labels)
@@ -359,15 +487,64 @@ class Collaboration:
                 self.metrics.observe("p2ptrain_allreduce_seconds", outcome.allreduce_s)
         return averaged, outcome
 
-    def stepped(self, step: int) -> None:
-        """The trainer applied a step and is now at ``step`` with no samples."""
+    def stepped(
+        self, step: int, *, samples: int = 0, step_samples: int | None = None, own: int = 0
+    ) -> None:
+        """The trainer applied a step and is now at ``step`` with ``samples`` carried over.
+
+        Args:
+            step: The trainer's new step.
+            samples: Samples it already holds toward ``step`` (carried over).
+            step_samples: Samples the swarm averaged in the step just applied,
+                if known.
+            own: This peer's samples in that step.
+        """
         self._fresh = False
+        self._closed = False
         self._stats = dataclasses.replace(self._stats, global_step=step)
-        self.report(step=step, samples=0, blocked=False)
+        close_estimate, self._close_estimate = self._close_estimate, None
+        self.last_step = StepRecord(step - 1, own, step_samples, self.settings.target_batch_size)
+        if step_samples is not None:
+            self._step_done(step - 1, step_samples, own, close_estimate)
+        self.report(step=step, samples=samples, blocked=False)
         self._computing_since = time.perf_counter()  # averaging is not computing
         if self.metrics is not None:
             self.metrics.set("p2ptrain_train_global_step", step)
         logger.debug("global step advanced to %d", step)  # the "averaged" line says it at INFO
+
+    def _step_done(self, step: int, samples: int, own: int, estimate: int | None) -> None:
+        target = self.settings.target_batch_size
+        self._tracker.last_step_samples = samples
+        self._add(steps_counted=1, step_samples=samples)
+        if self.metrics is not None:
+            self.metrics.observe("train_step_samples", samples)
+            self.metrics.set("train_last_step_samples", samples)
+            if target is not None:
+                self.metrics.set("train_target_batch_size", target)
+        if target is not None and samples > 1.25 * target:
+            logger.warning(
+                "step %d held %d samples, %.2f× the target %d: %s",
+                step,
+                samples,
+                samples / target,
+                target,
+                self._overshoot_cause(samples, own, estimate),
+            )
+
+    def _overshoot_cause(self, samples: int, own: int, estimate: int | None) -> str:
+        policy = self.settings.step_policy
+        if policy is StepPolicy.UNBOUNDED:
+            return "the step cut is off (step_policy 'unbounded')"
+        if estimate is None:
+            return (
+                f"this peer did not close the step itself; it added {own} samples "
+                "before it saw the target reached"
+            )
+        return (
+            f"when this peer closed the step ({own} of its samples) it estimated the "
+            f"swarm at {estimate} samples: the others' progress records were "
+            f"{samples - estimate} samples behind (stale records or a changed rate)"
+        )
 
     def moved_past(self, step: int) -> bool:
         """Whether some peer already finished ``step`` (reads the swarm's records now)."""
@@ -409,6 +586,8 @@ class Collaboration:
                 errors.append(f"{record.peer_id.short}: {exc}")
                 continue
             self._fresh = False
+            self._closed = False
+            self._close_estimate = None
             seconds = time.perf_counter() - started
             self._add(syncs=1, sync_s=seconds)
             self._stats = dataclasses.replace(self._stats, global_step=snapshot.step)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.errors import ConfigError
+from p2ptrain.train.cut import STEP_POLICIES
 from p2ptrain.train.progress import ProgressConfig
 from p2ptrain.train.state_sync import StateSyncConfig
 
@@ -65,10 +66,18 @@ class TrainerConfig:
             equal to peers × this, every step averages exactly one batch of
             each peer. When every live peer waits, the step happens even below
             the target.
+        step_policy: How a step holds the target (:mod:`p2ptrain.train.cut`):
+            ``carry`` (default) counts a batch that ends after the swarm
+            reached the target toward the next step; ``wait`` stops
+            computing when the next batch would pass the target and waits
+            for the step; ``unbounded`` adds batches until the swarm's
+            reported samples reach the target (steps then hold more than
+            the target; kept for comparison).
         matchmaking_lead: Start matchmaking when the step is estimated to be
             this many seconds away, overlapping the last local batches.
-            0: only when the step is due. ``None``: half the matchmaking
-            window, or 0 with ``max_local_samples_per_step`` (an early group
+            0: only when the step is due. ``None``: measured, from this
+            peer's recent matchmaking durations (:class:`~p2ptrain.train.policy.LeadTimer`),
+            or 0 with ``max_local_samples_per_step`` (an early group
             is sized from what the peer knows then, and may leave out a peer
             that joined meanwhile; a group formed when the step is due holds
             every contributor the step counted).
@@ -82,6 +91,7 @@ class TrainerConfig:
     run_id: str
     target_batch_size: int
     max_local_samples_per_step: int | None = None
+    step_policy: str = "carry"
     matchmaking_lead: float | None = None
     sync_tolerance: int = 1
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
@@ -90,6 +100,11 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check_run_id("TrainerConfig", self.run_id)
+        if self.step_policy not in STEP_POLICIES:
+            raise ConfigError(
+                f"TrainerConfig.step_policy must be one of {list(STEP_POLICIES)}, "
+                f"got {self.step_policy!r}"
+            )
         _check_int("TrainerConfig", "target_batch_size", self.target_batch_size)
         if self.max_local_samples_per_step is not None:
             _check_int(

@@ -20,6 +20,7 @@ round counter as the global step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -30,6 +31,7 @@ from p2ptrain.peer import Peer
 from p2ptrain.train.base import SwarmTrainer, check_params, load_optimizer_state
 from p2ptrain.train.collaboration import SwarmSettings
 from p2ptrain.train.config import DiLoCoConfig
+from p2ptrain.train.staging import HostStaging, parameters_device
 from p2ptrain.train.state import TrainingSnapshot
 
 __all__ = ["DiLoCoOptimizer"]
@@ -60,10 +62,12 @@ class DiLoCoOptimizer(SwarmTrainer):
         peer: Peer,
         config: DiLoCoConfig,
         metrics: Metrics | None = None,
+        model: torch.nn.Module | None = None,
+        batch_size: int | None = None,
     ) -> None:
         if not isinstance(config, DiLoCoConfig):
             raise ConfigError("config must be a DiLoCoConfig")
-        super().__init__(optimizer, peer=peer, metrics=metrics)
+        super().__init__(optimizer, peer=peer, metrics=metrics, model=model, batch_size=batch_size)
         self.config = config
         self._start = [p.detach().clone() for p in self._params]
         self.outer_optimizer = torch.optim.SGD(
@@ -74,13 +78,16 @@ class DiLoCoOptimizer(SwarmTrainer):
         )
         self._inner_done = 0
         self._numel = sum(p.numel() for p in self._params)
+        self._staging = HostStaging(self._numel, parameters_device(self._params))
 
     @property
     def inner_steps_done(self) -> int:
         """Inner steps taken in the current round."""
         return self._inner_done
 
-    def step(self, batch_size: int) -> bool:
+    def step(  # type: ignore[override]
+        self, batch_size: int | None = None, closure: Callable[[], Any] | None = None
+    ) -> bool:
         """Take an inner step on the local gradients; end the round after H of them.
 
         Returns:
@@ -90,8 +97,7 @@ class DiLoCoOptimizer(SwarmTrainer):
             ConfigError: ``batch_size`` is not an int >= 0.
             RuntimeError: The optimizer is not started.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-            raise ConfigError(f"batch_size must be an int >= 0, got {batch_size!r}")
+        batch_size = self._batch(batch_size, closure)
         collab = self._collaboration
         with self._lock:
             self.optimizer.step()
@@ -125,19 +131,20 @@ class DiLoCoOptimizer(SwarmTrainer):
             ]
         return torch.cat(parts)
 
-    def _global_step(self) -> None:
+    def _global_step(self) -> bool:
         samples = self._samples
         vector = self._pseudo_gradient() if samples > 0 else torch.zeros(self._numel)
+        vector = self._staging.to_host(vector)
         averaged = self._average(vector, float(samples))
         if averaged is None:  # the swarm's state was downloaded instead
-            return
+            return True
         apply = averaged is not vector or samples > 0
         with self._lock, torch.no_grad():
             offset = 0
             for p, start in zip(self._params, self._start, strict=True):
                 p.copy_(start)
                 delta = averaged[offset : offset + p.numel()].view(p.shape)
-                p.grad = delta.to(p.dtype)
+                p.grad = self._staging.to_device(delta, p)
                 offset += p.numel()
             if apply:
                 self.outer_optimizer.step()
@@ -148,7 +155,8 @@ class DiLoCoOptimizer(SwarmTrainer):
                 start.copy_(p)
             self._step += 1
         self._inner_done = 0
-        self._stepped()
+        self._stepped(own=samples)
+        return True
 
     def _capture(self) -> dict[str, Any]:
         return {

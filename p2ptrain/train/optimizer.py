@@ -14,6 +14,14 @@ How a step flows::
 The loss must be a mean over the batch, so that ``grad * batch_size`` is the
 batch's sum of per-sample gradients and the sample-weighted average over the
 swarm equals the gradient of one batch of ``target_batch_size`` samples.
+A step holds ``target_batch_size`` samples by the step cut
+(:mod:`p2ptrain.train.cut`): under the default ``carry`` policy a batch that
+ends after the swarm reached the target counts toward the next step (a second
+accumulator; its gradient is one step stale), and the step's all-reduce runs
+in the background while the peer keeps computing. The vector averaged carries
+one more element, ``1 / samples``, from which every peer learns the step's
+total samples (:func:`~p2ptrain.train.averaging.group_weight`).
+
 With ``max_local_samples_per_step`` set, every peer contributes at most that
 many samples to a step, and with ``target_batch_size`` = peers × that, the
 swarm computes exactly what one process with the combined batch computes.
@@ -27,6 +35,7 @@ drift from the others.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -34,13 +43,16 @@ import torch
 from p2ptrain.errors import ConfigError
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
+from p2ptrain.train.averaging import group_weight
 from p2ptrain.train.base import (
     SwarmTrainer,
     check_params,
     load_optimizer_state,
 )
-from p2ptrain.train.collaboration import SwarmSettings
+from p2ptrain.train.collaboration import PendingAverage, SwarmSettings
 from p2ptrain.train.config import TrainerConfig
+from p2ptrain.train.cut import StepPolicy
+from p2ptrain.train.staging import HostStaging, parameters_device
 from p2ptrain.train.state import TrainingSnapshot
 
 __all__ = ["CollaborativeOptimizer"]
@@ -61,6 +73,9 @@ class CollaborativeOptimizer(SwarmTrainer):
         config: The run and its step rule.
         metrics: Optional registry for samples/s, rounds, all-reduce seconds
             and bytes.
+        model: The model, if its buffers belong in the state (see
+            :class:`~p2ptrain.train.base.SwarmTrainer`).
+        batch_size: The default local batch size of :meth:`step`.
     """
 
     kind: ClassVar[str] = "collaborative"
@@ -72,25 +87,51 @@ class CollaborativeOptimizer(SwarmTrainer):
         peer: Peer,
         config: TrainerConfig,
         metrics: Metrics | None = None,
+        model: torch.nn.Module | None = None,
+        batch_size: int | None = None,
     ) -> None:
         if not isinstance(config, TrainerConfig):
             raise ConfigError("config must be a TrainerConfig")
-        super().__init__(optimizer, peer=peer, metrics=metrics)
+        super().__init__(optimizer, peer=peer, metrics=metrics, model=model, batch_size=batch_size)
         self.config = config
-        numel = sum(p.numel() for p in self._params)
-        self._accumulator = torch.zeros(numel, dtype=torch.float32)
-        self._views: list[torch.Tensor] = []
-        offset = 0
+        self._numel = sum(p.numel() for p in self._params)
+        # One element more than the parameters: the count marker (see group_weight).
+        # Accumulated on the parameters' device; staged through pinned host memory.
+        self._device = parameters_device(self._params)
+        self._staging = HostStaging(self._numel + 1, self._device)
+        self._accumulator = torch.zeros(self._numel + 1, dtype=torch.float32, device=self._device)
+        self._views = self._views_of(self._accumulator)
+        self._carry: torch.Tensor | None = None  # the next step's, under the carry policy
+        self._carry_views: list[torch.Tensor] = []
+        self._carried = 0
+        self._pending: tuple[PendingAverage, torch.Tensor] | None = None
+        # A per-peer bound makes each step exact by itself: no step cut on top of it.
+        self._policy = (
+            StepPolicy.UNBOUNDED
+            if config.max_local_samples_per_step is not None
+            else StepPolicy(config.step_policy)
+        )
+
+    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        views, offset = [], 0
         for p in self._params:
-            self._views.append(self._accumulator[offset : offset + p.numel()].view(p.shape))
+            views.append(flat[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
+        return views
 
     @property
     def num_elements(self) -> int:
-        """Elements averaged per step (all parameters)."""
+        """Elements averaged per step (all parameters, and the count marker)."""
         return self._accumulator.numel()
 
-    def step(self, batch_size: int) -> bool:
+    @property
+    def carried_samples(self) -> int:
+        """Samples computed past the step cut, counted toward the next step."""
+        return self._carried
+
+    def step(  # type: ignore[override]
+        self, batch_size: int | None = None, closure: Callable[[], Any] | None = None
+    ) -> bool:
         """Add the gradients of a local batch of ``batch_size`` samples; step with the swarm.
 
         Call it after ``backward()``; it clears the parameters' gradients. It
@@ -104,11 +145,36 @@ class CollaborativeOptimizer(SwarmTrainer):
             ConfigError: ``batch_size`` is not an int >= 0, or a gradient is sparse.
             RuntimeError: The optimizer is not started.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-            raise ConfigError(f"batch_size must be an int >= 0, got {batch_size!r}")
+        batch_size = self._batch(batch_size, closure)
         collab = self._collaboration
+        collab.record_batch(batch_size)
+        if self._pending is not None:  # the step is closed and averaging: carry over
+            self._accumulate(batch_size, carry=True)
+            # Carry over at most as much as this peer put in the step averaging,
+            # then wait for it: the next step would be full of stale gradients.
+            if not self._pending[0].future.done() and self._carried < max(1, self._samples):
+                collab.report(step=self._step, samples=self._samples, blocked=False)
+                return False
+            return self._finish_step()
+        placement = collab.place(step=self._step, own=self._samples, batch=batch_size)
+        self._accumulate(batch_size, carry=placement.carry)
+        return self._advance(self.num_elements)
+
+    def close(self) -> None:
+        """Apply a step still averaging in the background, then leave the run."""
+        if self._pending is not None and self._collab is not None and self._collab.started:
+            self._finish_step()
+        super().close()
+
+    def _accumulate(self, batch_size: int, *, carry: bool) -> None:
+        views = self._views
+        if carry:
+            if self._carry is None:
+                self._carry = torch.zeros_like(self._accumulator)
+                self._carry_views = self._views_of(self._carry)
+            views = self._carry_views
         with torch.no_grad():
-            for p, acc in zip(self._params, self._views, strict=True):
+            for p, acc in zip(self._params, views, strict=True):
                 grad = p.grad
                 if grad is None:
                     continue
@@ -117,14 +183,10 @@ class CollaborativeOptimizer(SwarmTrainer):
                 if batch_size:
                     acc.add_(grad, alpha=batch_size)
                 p.grad = None
-        self._samples += batch_size
-        collab.record_batch(batch_size)
-        return self._advance(self.num_elements)
-
-    def zero_grad(self) -> None:
-        """Clear the parameters' gradients (not what was accumulated)."""
-        for p in self._params:
-            p.grad = None
+        if carry:
+            self._carried += batch_size
+        else:
+            self._samples += batch_size
 
     @property
     def _blocked(self) -> bool:
@@ -137,6 +199,7 @@ class CollaborativeOptimizer(SwarmTrainer):
         if lead is None and cfg.max_local_samples_per_step is not None:
             lead = 0.0  # bounded contributions: size each group when its step is due
         return SwarmSettings(
+            step_policy=self._policy,
             run_id=cfg.run_id,
             target_batch_size=cfg.target_batch_size,
             progress=cfg.progress,
@@ -146,19 +209,43 @@ class CollaborativeOptimizer(SwarmTrainer):
             sync_tolerance=cfg.sync_tolerance,
         )
 
-    def _global_step(self) -> None:
+    def _global_step(self) -> bool:
         samples = self._samples
+        self._accumulator[-1] = 1.0  # becomes 1 / samples: the count marker
         vector = self._accumulator / max(samples, 1)  # all zeros when there are no samples
+        vector = self._staging.to_host(vector)
+        if self._policy is StepPolicy.CARRY and self._collaboration.expects_group(self._step):
+            # Average in the background; batches computed meanwhile count toward
+            # the next step, and the update is applied at the first step() after.
+            self._pending = (self._collaboration.begin_average(self._step, vector, samples), vector)
+            return False
         averaged = self._average(vector, float(samples))
         if averaged is None:  # the swarm's state was downloaded instead
-            return
+            return True
+        self._apply(vector, averaged, samples)
+        return True
+
+    def _finish_step(self) -> bool:
+        """Apply the step averaged in the background (waits for it if needed)."""
+        pending, self._pending = self._pending, None
+        if pending is None:  # pragma: no cover - callers check
+            return False
+        average, vector = pending
+        averaged, outcome = self._collaboration.end_average(average)
+        settled = self._settle(averaged, outcome)
+        if settled is not None:
+            self._apply(vector, settled, round(outcome.weight))
+        return True
+
+    def _apply(self, vector: torch.Tensor, averaged: torch.Tensor, samples: int) -> None:
         apply = averaged is not vector or samples > 0
+        step_samples = self._step_samples(averaged)
         with self._lock, torch.no_grad():
             if apply:
                 offset = 0
                 for p in self._params:
                     grad = averaged[offset : offset + p.numel()].view(p.shape)
-                    p.grad = grad.to(p.dtype) if grad.dtype != p.dtype else grad
+                    p.grad = self._staging.to_device(grad, p)
                     offset += p.numel()
                 self.optimizer.step()
                 for p in self._params:
@@ -167,7 +254,19 @@ class CollaborativeOptimizer(SwarmTrainer):
                 logger.warning("step %d: nothing to apply (no samples, no group)", self._step)
             self._step += 1
         self._accumulator.zero_()
-        self._stepped()
+        carried, self._carried = self._carried, 0
+        if self._carry is not None:
+            self._accumulator, self._carry = self._carry, self._accumulator
+            self._views, self._carry_views = self._carry_views, self._views
+        self._stepped(carried=carried, step_samples=step_samples, own=samples)
+        logger.debug("step %d applied; %d samples carried over", self._step, carried)
+
+    def _step_samples(self, averaged: torch.Tensor) -> int | None:
+        outcome = self._outcome
+        codec = self.config.allreduce
+        if outcome is None or codec.aggregation != "mean" or codec.codec not in ("none", "fp16"):
+            return None
+        return group_weight(outcome, length=averaged.numel(), marker=float(averaged[-1]))
 
     def _capture(self) -> dict[str, Any]:
         return {
@@ -184,4 +283,8 @@ class CollaborativeOptimizer(SwarmTrainer):
             for p, value in zip(self._params, params, strict=True):
                 p.copy_(value)
         self._accumulator.zero_()
+        if self._carry is not None:
+            self._carry.zero_()
+        self._carried = 0
+        self._pending = None
         self.zero_grad()

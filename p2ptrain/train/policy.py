@@ -12,7 +12,7 @@ or downloads the swarm's state. The rules, in order:
 3. Behind by at most that, with samples: **step** now; the group for its
    step may still be forming. (If it is not, the averaging finds no group
    and the trainer syncs rather than apply its gradients alone.)
-4. The swarm is ready: **step**.
+4. The swarm is ready, or this peer closed its step (the step cut): **step**.
 5. Blocked: **wait** for the swarm (matchmaking ahead when :func:`step_is_near`).
 6. The estimated time to the step is below ``lead_time``: **prepare**
    (matchmake in the background while computing the last batches).
@@ -26,7 +26,7 @@ import enum
 from p2ptrain.errors import ConfigError
 from p2ptrain.train.progress import SwarmProgress
 
-__all__ = ["Action", "decide", "step_is_near"]
+__all__ = ["Action", "LeadTimer", "decide", "step_is_near"]
 
 
 class Action(enum.Enum):
@@ -52,6 +52,7 @@ def decide(
     swarm: SwarmProgress,
     lead_time: float,
     sync_tolerance: int = 1,
+    closed: bool = False,
 ) -> Action:
     """The next action of a peer (see the module docstring for the rules).
 
@@ -64,6 +65,8 @@ def decide(
             many seconds away or less; 0 disables it.
         sync_tolerance: Steps a peer may lag behind and still join a step;
             0 makes any lag a sync (a peer that never synced).
+        closed: This peer closed its step (the step cut, :mod:`p2ptrain.train.cut`):
+            it steps as when the swarm is ready.
 
     Raises:
         ConfigError: A negative argument.
@@ -75,7 +78,7 @@ def decide(
         return Action.SYNC
     if behind > 0:
         return Action.STEP if local_samples > 0 else Action.SYNC
-    if swarm.ready:
+    if swarm.ready or closed:
         return Action.STEP
     if blocked:
         return Action.WAIT
@@ -85,3 +88,63 @@ def decide(
 def step_is_near(swarm: SwarmProgress, lead_time: float) -> bool:
     """Whether the swarm's next step is due within ``lead_time`` seconds (0: never near)."""
     return lead_time > 0 and swarm.eta_s <= lead_time
+
+
+class LeadTimer:
+    """How long before a step's estimated moment matchmaking starts, from measurement.
+
+    The lead is ``margin`` times a moving average of the durations of this
+    peer's recent matchmakings (from their start, early or not, to the
+    group's plan), plus the time the others need to see a new record
+    (``read_interval``). Before the first measurement it is ``initial``.
+    It stays within ``[low, high]``.
+
+    Args:
+        initial: The lead before any matchmaking was measured.
+        read_interval: Seconds until the others read a new record.
+        low: The least lead.
+        high: The most lead (e.g. the matchmaking window).
+        margin: Multiplies the average duration.
+        smoothing: Weight of a new measurement in the average.
+    """
+
+    def __init__(
+        self,
+        *,
+        initial: float,
+        read_interval: float,
+        low: float,
+        high: float,
+        margin: float = 1.5,
+        smoothing: float = 0.3,
+    ) -> None:
+        if not 0 <= low <= high or not 0 < smoothing <= 1 or margin <= 0 or read_interval < 0:
+            raise ConfigError("LeadTimer takes 0 <= low <= high, margin > 0, smoothing in (0, 1]")
+        self.read_interval = read_interval
+        self.low, self.high = low, high
+        self.margin = margin
+        self.smoothing = smoothing
+        self._initial = min(high, max(low, initial))
+        self._average: float | None = None
+
+    def record(self, matchmaking_s: float) -> None:
+        """Count one matchmaking that formed a group in ``matchmaking_s`` seconds."""
+        if not matchmaking_s >= 0:
+            return
+        if self._average is None:
+            self._average = matchmaking_s
+        else:
+            self._average += self.smoothing * (matchmaking_s - self._average)
+
+    @property
+    def average_s(self) -> float | None:
+        """The moving average of the measured durations (``None`` before one)."""
+        return self._average
+
+    @property
+    def value(self) -> float:
+        """The lead in seconds."""
+        if self._average is None:
+            return self._initial
+        lead = self.margin * self._average + self.read_interval
+        return min(self.high, max(self.low, lead))

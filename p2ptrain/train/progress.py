@@ -112,6 +112,14 @@ class PeerProgress:
         upload_bytes_per_s: Its upload bandwidth as the load balancer sees it
             (measured, or announced), or ``None`` if it did not say.
         download_bytes_per_s: The same for download.
+        batch: Samples of its latest local batch (0 if it did not say); the
+            step cut extrapolates its progress in whole batches of this size.
+        closed: It adds no more samples to ``step`` (the step cut reached
+            the target, as it estimates); what it computes next counts toward
+            the following step.
+        last_step_samples: Samples the swarm averaged in the peer's latest
+            step (the all-reduce's total weight), or ``None`` if unknown.
+        target: The target batch size it trains with, or ``None``.
     """
 
     peer_id: PeerID
@@ -124,6 +132,10 @@ class PeerProgress:
     reach: str | None = None
     upload_bytes_per_s: float | None = None
     download_bytes_per_s: float | None = None
+    batch: int = 0
+    closed: bool = False
+    last_step_samples: int | None = None
+    target: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the PeerID is the sub-key's owner)."""
@@ -137,6 +149,10 @@ class PeerProgress:
             "q": self.reach,
             "u": self.upload_bytes_per_s,
             "d": self.download_bytes_per_s,
+            "k": self.batch,
+            "c": self.closed,
+            "l": self.last_step_samples,
+            "g": self.target,
         }
 
     @classmethod
@@ -164,6 +180,10 @@ class PeerProgress:
         if reach is not None and not (isinstance(reach, str) and len(reach) <= 32):
             raise RemoteProtocolError("progress reach must be a short string")
         upload, download = value.get("u"), value.get("d")
+        closed = value.get("c", False)
+        if not isinstance(closed, bool):
+            raise RemoteProtocolError("progress closed flag must be a bool")
+        last, target = value.get("l"), value.get("g")
         return cls(
             peer_id=peer_id,
             step=_wire_int(value.get("s"), "step"),
@@ -175,6 +195,10 @@ class PeerProgress:
             reach=reach,
             upload_bytes_per_s=None if upload is None else _wire_float(upload, "upload"),
             download_bytes_per_s=None if download is None else _wire_float(download, "download"),
+            batch=_wire_int(value.get("k", 0), "batch"),
+            closed=closed,
+            last_step_samples=None if last is None else _wire_int(last, "last step samples"),
+            target=None if target is None else _wire_int(target, "target"),
         )
 
 
@@ -224,10 +248,42 @@ class SwarmProgress:
 
     @property
     def ready(self) -> bool:
-        """Whether the swarm should step now."""
+        """Whether the swarm should step now: the target is reached, every
+        live peer is blocked, or a peer at the global step closed it."""
         target = self.target_batch_size
         reached = target is not None and self.samples_at_step >= target
-        return self.peers_online > 0 and (reached or self.all_blocked)
+        return self.peers_online > 0 and (reached or self.all_blocked or self.closed)
+
+    @property
+    def closed(self) -> bool:
+        """Whether a peer at the global step closed it (the step cut reached the target)."""
+        return any(r.closed for r in self.records if r.step == self.global_step)
+
+    def estimate_samples(self, step: int, *, exclude: PeerID | None, now: float) -> int:
+        """Samples the live peers at ``step`` (but ``exclude``) hold now, as estimated.
+
+        Each record's samples, plus the whole batches its peer computed
+        since it wrote the record at its reported rate (a record is written
+        at the end of a batch). A closed or blocked peer adds nothing more,
+        nor one that did not say its batch size or rate. A peer whose record
+        closed the step before (``step - 1``) has been counting its batches
+        toward ``step`` since then (its record is older than the step).
+        """
+        total = 0
+        for r in self.records:
+            if r.peer_id == exclude or r.batch <= 0 or r.samples_per_s <= 0:
+                if r.step == step and r.peer_id != exclude:
+                    total += r.samples
+                continue
+            if r.step == step:
+                total += r.samples
+                if r.closed or r.blocked:
+                    continue
+            elif not (r.step == step - 1 and r.closed):
+                continue
+            batches = math.floor(r.samples_per_s * max(0.0, now - r.time) / r.batch)
+            total += r.batch * min(batches, _MAX_SAMPLES // max(r.batch, 1))
+        return min(total, _MAX_SAMPLES)
 
     def expected_in_group(self, step: int, *, exclude: PeerID | None = None) -> int:
         """Live peers expected to join the group of ``step``.
@@ -289,7 +345,7 @@ def _with_eta(progress: SwarmProgress, current: list[PeerProgress], now: float) 
     elif target is None:
         eta = math.inf
     else:
-        running = [r for r in current if not r.blocked]
+        running = [r for r in current if not (r.blocked or r.closed)]
         expected = progress.samples_at_step + sum(
             r.samples_per_s * max(0.0, now - r.time) for r in running
         )
@@ -317,10 +373,13 @@ def _with_eta(progress: SwarmProgress, current: list[PeerProgress], now: float) 
 def next_fetch_delay(progress: SwarmProgress, config: ProgressConfig, *, waiting: bool) -> float:
     """Seconds until the swarm's records should be read again.
 
-    Often when a step is near (about four reads before the estimated time)
-    or this peer waits; rarely when the step is far away.
+    Often when a step is near (about four reads before the estimated time),
+    when this peer waits, or when samples accumulate at a rate not yet
+    measured (the first batches of a run); rarely when the step is far away.
     """
     if waiting or progress.ready:
+        return config.min_fetch_interval
+    if not math.isfinite(progress.eta_s) and progress.samples_at_step > 0:
         return config.min_fetch_interval
     delay = progress.eta_s / 4 if math.isfinite(progress.eta_s) else config.max_fetch_interval
     return min(config.max_fetch_interval, max(config.min_fetch_interval, delay))

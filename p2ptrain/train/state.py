@@ -75,9 +75,10 @@ class TrainingSnapshot:
 
 
 def clone_state(tree: Any) -> Any:
-    """A deep copy of a state tree whose tensors are detached clones."""
+    """A deep copy of a state tree whose tensors are detached clones in host memory
+    (a state is served and saved from the CPU, whatever device it trains on)."""
     if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+        return tree.detach().to("cpu", copy=True)
     if isinstance(tree, Mapping):
         return {key: clone_state(value) for key, value in tree.items()}
     if isinstance(tree, tuple):

@@ -54,7 +54,7 @@ def publish_due(
 ) -> bool:
     """Whether ``local`` should be published now (pure).
 
-    At once: the first record, a new step, a change of the blocked flag, the
+    At once: the first record, a new step, a change of the blocked or closed flag, the
     first samples toward a step (they make the peer one the group waits
     for), and samples that make the swarm ready. Other sample counts at most
     every ``publish_interval``; the record anyway every ``heartbeat_interval``.
@@ -68,7 +68,11 @@ def publish_due(
     """
     if published is None or since_publish >= config.heartbeat_interval:
         return True
-    if local.step != published.step or local.blocked != published.blocked:
+    if (
+        local.step != published.step
+        or local.blocked != published.blocked
+        or local.closed != published.closed
+    ):
         return True
     if local.samples == published.samples:
         return False
@@ -112,11 +116,13 @@ class ProgressTracker:
         self._address = address
         self._reach = reach
         self._bandwidth = bandwidth
+        self.last_step_samples: int | None = None
         self._local = self._record(step=0, samples=0, samples_per_s=0.0, blocked=False)
         self._remote: tuple[PeerProgress, ...] = ()
         self._published: PeerProgress | None = None
         self._published_at = -float("inf")
         self._next_fetch = 0.0
+        self._fetched_at = 0.0
         self._fetch_started = -float("inf")
         self._waiting = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -146,15 +152,36 @@ class ProgressTracker:
 
     # -- from the training thread -------------------------------------------------------
 
-    def report(self, *, step: int, samples: int, samples_per_s: float, blocked: bool) -> None:
+    def report(
+        self,
+        *,
+        step: int,
+        samples: int,
+        samples_per_s: float,
+        blocked: bool,
+        closed: bool = False,
+        batch: int = 0,
+    ) -> None:
         """Record this peer's latest progress (thread-safe; published in the background)."""
         self._local = self._record(
-            step=step, samples=samples, samples_per_s=samples_per_s, blocked=blocked
+            step=step,
+            samples=samples,
+            samples_per_s=samples_per_s,
+            blocked=blocked,
+            closed=closed,
+            batch=batch,
         )
         self._poke()
 
     def _record(
-        self, *, step: int, samples: int, samples_per_s: float, blocked: bool
+        self,
+        *,
+        step: int,
+        samples: int,
+        samples_per_s: float,
+        blocked: bool,
+        closed: bool = False,
+        batch: int = 0,
     ) -> PeerProgress:
         upload = download = None
         if self._bandwidth is not None:
@@ -170,6 +197,10 @@ class ProgressTracker:
             reach=self._reach,
             upload_bytes_per_s=upload,
             download_bytes_per_s=download,
+            batch=batch,
+            closed=closed,
+            last_step_samples=self.last_step_samples,
+            target=self.target_batch_size,
         )
 
     def set_waiting(self, waiting: bool) -> None:
@@ -257,6 +288,10 @@ class ProgressTracker:
             config=self.config,
         ):
             await self._publish()
+        # The view changes with this peer's own reports (e.g. its first samples
+        # of a run): read again as soon as the new view says, not the old one.
+        due = self._fetched_at + next_fetch_delay(self.view(), self.config, waiting=self._waiting)
+        self._next_fetch = min(self._next_fetch, due)
         if loop.time() >= self._next_fetch:
             await self._fetch()
 
@@ -307,7 +342,8 @@ class ProgressTracker:
             self._remote = tuple(records)
             self._fetch_started = started
         delay = next_fetch_delay(self.view(), self.config, waiting=self._waiting)
-        self._next_fetch = loop.time() + delay
+        self._fetched_at = loop.time()
+        self._next_fetch = self._fetched_at + delay
         fetched, self._fetched = self._fetched, asyncio.Event()
         if fetched is not None:
             fetched.set()

@@ -1,0 +1,98 @@
+"""The step cut: which step a local batch counts toward, and when a peer closes its step (pure).
+
+A step holds ``target_batch_size`` samples. After each local batch a peer
+estimates the swarm's samples at its step: its own (exact) plus every other
+peer's, each extrapolated from its progress record in whole batches at its
+reported rate (:meth:`~p2ptrain.train.progress.SwarmProgress.estimate_samples`).
+Then, by the step policy:
+
+* ``carry`` (the default): a batch that ends after the swarm reached the
+  target (as estimated, or because another peer at the step closed it)
+  counts toward the *next* step: the trainer keeps a second accumulator.
+  Its gradient was computed on the parameters before the update (one step
+  stale). A batch that brings the estimate to the target is the step's
+  last; the peer closes the step and steps.
+* ``wait``: a batch always counts toward the current step. The peer closes
+  the step when the estimate, plus what the other peers are expected to
+  add while it would compute its next batch, reaches the target: it then
+  waits for the step instead of computing a batch past the cut.
+* ``unbounded``: the behaviour before the cut existed: batches are added
+  until the swarm's *reported* samples reach the target; the step holds
+  what every peer added meanwhile. Kept for the benchmark's comparison.
+
+A closed peer says so in its progress record (``closed``), so the others
+close the step at their next batch even when their own estimate lags.
+Overshoot is then at most one batch per peer whose view was stale.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from p2ptrain.errors import ConfigError
+
+__all__ = ["STEP_POLICIES", "Placement", "StepPolicy", "place_batch"]
+
+
+class StepPolicy(enum.Enum):
+    """How a peer keeps a step at its target (see the module docstring)."""
+
+    CARRY = "carry"
+    WAIT = "wait"
+    UNBOUNDED = "unbounded"
+
+
+STEP_POLICIES = tuple(p.value for p in StepPolicy)
+"""The policy names, as :class:`~p2ptrain.train.config.TrainerConfig` takes them."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a batch goes and what the peer does next.
+
+    Attributes:
+        carry: The batch counts toward the next step (not the current one).
+        close: The peer adds nothing more to the current step and steps.
+    """
+
+    carry: bool
+    close: bool
+
+
+def place_batch(
+    *,
+    policy: StepPolicy,
+    target: int,
+    own: int,
+    batch: int,
+    others: int,
+    swarm_closed: bool,
+    others_per_batch: float = 0.0,
+) -> Placement:
+    """Place a local batch that just ended.
+
+    Args:
+        policy: The step policy.
+        target: The step's target batch size.
+        own: Samples this peer holds toward the current step, before the batch.
+        batch: The batch's samples.
+        others: The other peers' samples at the step, as estimated now.
+        swarm_closed: A peer at the step closed it.
+        others_per_batch: Samples the other peers are expected to add while
+            this peer computes one more batch (``wait`` only).
+
+    Raises:
+        ConfigError: A negative or non-finite argument, or a target below 1.
+    """
+    if target < 1 or min(own, batch, others) < 0 or not 0 <= others_per_batch < float("inf"):
+        raise ConfigError("place_batch() takes non-negative arguments and a target >= 1")
+    if policy is StepPolicy.UNBOUNDED:
+        return Placement(carry=False, close=False)
+    before = own + others
+    if swarm_closed or before >= target:
+        return Placement(carry=policy is StepPolicy.CARRY and own > 0, close=True)
+    after = before + batch
+    if policy is StepPolicy.CARRY:
+        return Placement(carry=False, close=after >= target)
+    return Placement(carry=False, close=after + others_per_batch >= target)
