@@ -37,7 +37,7 @@ _FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.S | re.M)
 _INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 _SHELL = {"bash", "sh", "shell", "console"}
 _OURS = re.compile(
-    r"^(?:\$ )?(?:p2ptrain [a-z-]|python3? (?:-m p2ptrain[\w.]*|benchmarks/\S+\.py)\b)"
+    r"^(?:\$ )?(?:p2ptrain [a-z-]|python3? (?:-m p2ptrain[\w.]*|(?:benchmarks|examples)/\S+\.py)\b)"
 )
 
 
@@ -178,7 +178,11 @@ def check_argv(argv: list[str]) -> list[str]:
         program, rest = argv[2], argv[3:]
         if not program.startswith("p2ptrain"):
             return []
-    elif len(argv) >= 2 and argv[0] in ("python", "python3") and argv[1].startswith("benchmarks/"):
+    elif (
+        len(argv) >= 2
+        and argv[0] in ("python", "python3")
+        and argv[1].startswith(("benchmarks/", "examples/"))
+    ):
         program, rest = argv[1], argv[2:]
         if _placeholder(Path(program).stem.removeprefix("bench_")):
             return []
@@ -320,9 +324,10 @@ def check_markdown(markdown: str, *, run_python: bool = True) -> list[str]:
 
 
 def documents() -> list[Path]:
-    """README.md, every page of docs/, and the example's README."""
+    """README.md, every page of docs/, and the examples' READMEs."""
     return [
         ROOT / "README.md",
+        ROOT / "examples" / "README.md",
         *sorted((ROOT / "docs").glob("*.md")),
         *sorted((ROOT / "p2ptrain").rglob("README.md")),
     ]
