@@ -517,10 +517,10 @@ class Collaboration:
         self._tracker.last_step_samples = samples
         self._add(steps_counted=1, step_samples=samples)
         if self.metrics is not None:
-            self.metrics.observe("train_step_samples", samples)
-            self.metrics.set("train_last_step_samples", samples)
+            self.metrics.observe("p2ptrain_train_step_samples", samples)
+            self.metrics.set("p2ptrain_train_last_step_samples", samples)
             if target is not None:
-                self.metrics.set("train_target_batch_size", target)
+                self.metrics.set("p2ptrain_train_target_batch_size", target)
         if target is not None and samples > 1.25 * target:
             logger.warning(
                 "step %d held %d samples, %.2f× the target %d: %s",
