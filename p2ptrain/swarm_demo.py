@@ -7,6 +7,11 @@ last peer joins late, a third into the run, and downloads the swarm's state.
 Every peer writes JSON event lines on its stdout; the demo collects them and
 at the end prints a summary (who joined when, global steps, samples/s, loss)
 and writes a PNG of each peer's loss against time.
+
+The peers run in their own process groups, so that Ctrl-C in a terminal
+reaches only the demo: ``p2ptrain demo`` turns it (and SIGTERM) into
+``stop``, and the demo ends its peers with SIGTERM (each writes its summary)
+and prints its own.
 """
 
 from __future__ import annotations
@@ -118,7 +123,8 @@ class PeerRun:
         events: Its JSON events, each with ``"t"`` (seconds since the demo
             started, by the demo's clock when the line arrived).
         stderr: The tail of its stderr.
-        returncode: Its exit status (``None`` if it was killed).
+        returncode: Its exit status (``None`` if it was killed or never started).
+        started: Whether its process was started.
     """
 
     name: str
@@ -129,6 +135,7 @@ class PeerRun:
     events: list[dict[str, Any]] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)
     returncode: int | None = None
+    started: bool = False
 
     def first(self, kind: str) -> dict[str, Any] | None:
         """Its first event of ``kind``."""
@@ -159,12 +166,14 @@ class SwarmDemoResult:
         png: The plot written, or ``None`` (then ``png_note`` says why).
         wall_s: Seconds the demo took.
         png_note: Why there is no plot, when there is none.
+        stopped: Whether the run was stopped early (Ctrl-C or SIGTERM).
     """
 
     runs: tuple[PeerRun, ...]
     png: Path | None
     wall_s: float
     png_note: str = "nothing to plot"
+    stopped: bool = False
 
     @property
     def ok(self) -> bool:
@@ -182,6 +191,8 @@ class _Process:
 
     def __init__(self, argv: Sequence[str], run: PeerRun | None, origin: float) -> None:
         self.run = run
+        if run is not None:
+            run.started = True
         self.origin = origin
         self.lines: list[str] = []
         self.eof = False
@@ -193,6 +204,7 @@ class _Process:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            process_group=0,  # Ctrl-C in a terminal reaches the demo, which stops its peers
         )
         self._threads = [
             threading.Thread(target=self._read_stdout, daemon=True),
@@ -289,8 +301,22 @@ def _train_argv(config: SwarmDemoConfig, run: PeerRun, join: str, seconds: float
     )
 
 
-def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> SwarmDemoResult:
+def run_swarm_demo(
+    config: SwarmDemoConfig,
+    *,
+    out: TextIO | None = None,
+    stop: threading.Event | None = None,
+    began: threading.Event | None = None,
+) -> SwarmDemoResult:
     """Run the demo swarm, print a summary to ``out`` and write the loss plot.
+
+    Args:
+        config: The swarm.
+        out: Where the progress lines and the summary go.
+        stop: Set it (from a signal handler) to end the run early: the peers
+            get SIGTERM and end with their summaries, then the demo prints its
+            own. It is only looked at once a peer trains.
+        began: Set by the demo when the first peer starts training.
 
     Raises:
         ConfigError: The bootstrap peer did not come up.
@@ -301,6 +327,7 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
             out.write(text + "\n")
             out.flush()
 
+    stop = stop if stop is not None else threading.Event()
     origin = time.monotonic()
     runs = tuple(
         PeerRun(
@@ -329,27 +356,42 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
         # The late peer starts a while after the first peers train, and is told
         # to stop (SIGTERM: a clean end with a summary) when they are done.
         first_start = _wait_for_start(processes, _STARTUP_TIMEOUT)
+        if began is not None:
+            began.set()
+        say(f"training began at {first_start:.1f} s; Ctrl-C stops the demo with a summary")
         live = _LiveLine(out, runs, origin)
-        live.until(lambda: time.monotonic() - origin >= first_start + config.late_delay)
-        late.launched = time.monotonic() - origin
-        late_process = _Process(
-            _train_argv(config, late, join, config.seconds + _STARTUP_TIMEOUT), late, origin
+        live.until(
+            lambda: stop.is_set() or time.monotonic() - origin >= first_start + config.late_delay
         )
-        processes.append(late_process)
-        live.say(f"{late.name} starts late at {late.launched:.0f} s")
+        if not stop.is_set():
+            late.launched = time.monotonic() - origin
+            late_process = _Process(
+                _train_argv(config, late, join, config.seconds + _STARTUP_TIMEOUT), late, origin
+            )
+            processes.append(late_process)
+            live.say(f"{late.name} starts late at {late.launched:.0f} s")
         deadline = origin + first_start + config.seconds + _STARTUP_TIMEOUT
+        early_processes = processes[: len(early)]
         live.until(
             lambda: (
-                all(p.process.poll() is not None for p in processes[:-1])
+                stop.is_set()
+                or all(p.process.poll() is not None for p in early_processes)
                 or time.monotonic() > deadline
             )
         )
         live.done()
-        for process in processes[:-1]:
+        if stop.is_set():
+            live.say("stopping the peers ...")
+            for process in processes:  # SIGTERM: each peer ends with its summary
+                if process.process.poll() is None:
+                    process.process.terminate()
+            deadline = time.monotonic() + 30.0
+        for process in early_processes:
             assert process.run is not None
             process.run.returncode = process.wait(max(1.0, deadline - time.monotonic()))
-        late_process.process.terminate()
-        late.returncode = late_process.wait(30.0)
+        if late.started:
+            processes[-1].process.terminate()
+            late.returncode = processes[-1].wait(30.0)
     finally:
         for process in processes:
             process.stop()
@@ -362,7 +404,7 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
         png, note = plot_loss(runs, Path(config.png)), "nothing to plot"
     except MissingDependencyError as exc:
         png, note = None, str(exc)
-    result = SwarmDemoResult(runs=runs, png=png, wall_s=wall, png_note=note)
+    result = SwarmDemoResult(runs=runs, png=png, wall_s=wall, png_note=note, stopped=stop.is_set())
     say(format_summary(result, config))
     return result
 
@@ -516,6 +558,12 @@ def _fmt(value: object, spec: str) -> str:
     return "-"
 
 
+def _exit_cell(run: PeerRun) -> str:
+    if run.returncode is not None:
+        return str(run.returncode)
+    return "killed" if run.started else "not started"
+
+
 def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
     """The demo's summary: one row per peer, then the swarm's loss and throughput."""
     headers = (
@@ -547,7 +595,7 @@ def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
                 str(end.get("syncs", "-")),
                 _fmt(end.get("samples_per_s"), ".1f"),
                 _fmt(end.get("loss"), ".4f"),
-                "killed" if run.returncode is None else str(run.returncode),
+                _exit_cell(run),
             )
         )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
@@ -576,5 +624,8 @@ def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
         if run.returncode != 0 and run.stderr:
             lines.append(f"{run.name} stderr: {run.stderr[-1]}")
     lines.append(f"loss plot: {result.png or result.png_note}")
-    lines.append("demo OK" if result.ok else "demo FAILED (see above)")
+    if result.stopped:
+        lines.append("demo stopped early (Ctrl-C or SIGTERM)")
+    else:
+        lines.append("demo OK" if result.ok else "demo FAILED (see above)")
     return "\n".join(lines)

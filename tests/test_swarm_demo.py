@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from conftest import ChildLines, cli_process
 
 from p2ptrain.errors import ConfigError, MissingDependencyError
 from p2ptrain.swarm_demo import (
@@ -94,3 +97,40 @@ def test_a_peer_that_fails_before_training_shows_its_own_error_line() -> None:
     assert "they exited" in message, message
     assert "peer-0: p2ptrain train: error: port 0 in use" in message, message
     assert "peer-1: p2ptrain train: error: port 1 in use" in message, message
+
+
+def _read_until(child: ChildLines, marker: str, deadline: float) -> list[str]:
+    lines = [child.next_line(deadline)]
+    while marker not in lines[-1]:
+        lines.append(child.next_line(deadline))
+    return lines
+
+
+def test_ctrl_c_once_training_began_stops_the_peers_and_prints_the_summary(
+    tmp_path: Path,
+) -> None:
+    png = tmp_path / "loss.png"
+    demo = cli_process("demo", "--peers", "2", "--seconds", "120", "--png", str(png))
+    try:
+        deadline = time.monotonic() + 120
+        _read_until(demo, "training began", deadline)
+        demo.process.send_signal(signal.SIGINT)
+        out = "".join(_read_until(demo, "demo stopped early", deadline))
+        assert demo.process.wait(60) == 0, "".join(demo.stderr)
+    finally:
+        demo.stop()
+    assert "peer-0" in out and "global step" in out and "loss plot:" in out, out
+    # the PNG is written when a loss was logged before the stop, and then the summary names it
+    assert (f"loss plot: {png}" in out) == (png.is_file() and png.read_bytes()[:8] == PNG_MAGIC)
+    assert "peer-1 (late)" in out and "not started" in out, out
+    assert "wall" in out and float(out.split("wall ")[1].split(" s")[0]) < 120, out
+
+
+def test_ctrl_c_before_training_began_exits_130() -> None:
+    demo = cli_process("demo", "--peers", "2", "--seconds", "60")
+    try:
+        _read_until(demo, "starting 1 peers now", time.monotonic() + 60)
+        demo.process.send_signal(signal.SIGINT)
+        assert demo.process.wait(60) == 130
+    finally:
+        demo.stop()
