@@ -381,10 +381,12 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     def interrupted(signum: int, frame: object) -> None:
         # Ctrl-C (or SIGTERM) once a peer trains stops the peers cleanly
-        # (summaries, PNG, exit 0); before that, or a second time, exit 130.
-        if not began.is_set() or stop.is_set():
+        # (summaries, PNG, exit 0); before that the demo raises KeyboardInterrupt
+        # where no child can be left unrecorded (exit 130); a second time, exit 130.
+        if stop.is_set():
             raise KeyboardInterrupt
-        print("stopping (Ctrl-C again to interrupt) ...", file=sys.stderr, flush=True)
+        if began.is_set():
+            print("stopping (Ctrl-C again to interrupt) ...", file=sys.stderr, flush=True)
         stop.set()
 
     signal.signal(signal.SIGINT, interrupted)

@@ -238,15 +238,26 @@ class _Process:
             if self.run is not None:
                 self.run.stderr = [*self.run.stderr[-40:], line.rstrip("\n")]
 
-    def wait_for_line(self, marker: str, timeout: float) -> str:
-        """The first stdout line containing ``marker``."""
+    def wait_for_line(
+        self, marker: str, timeout: float, stop: threading.Event | None = None
+    ) -> str:
+        """The first stdout line containing ``marker``.
+
+        Raises:
+            KeyboardInterrupt: ``stop`` was set first.
+        """
+        deadline = time.monotonic() + timeout
+        found = False
         with self._changed:
-            found = self._changed.wait_for(
-                lambda: (
-                    any(marker in line for line in self.lines) or self.process.poll() is not None
-                ),
-                timeout,
-            )
+            while not found and time.monotonic() < deadline:
+                _check_stop(stop)
+                found = self._changed.wait_for(
+                    lambda: (
+                        any(marker in line for line in self.lines)
+                        or self.process.poll() is not None
+                    ),
+                    min(0.1, max(0.0, deadline - time.monotonic())),  # to look at stop
+                )
             for line in self.lines:
                 if marker in line:
                     return line
@@ -273,6 +284,16 @@ class _Process:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    """Before any peer trains, a stop interrupts the demo (the caller stops the processes).
+
+    It is raised here, at a known point, rather than by the signal handler, so
+    that no process can be started and not yet recorded when it comes.
+    """
+    if stop is not None and stop.is_set():
+        raise KeyboardInterrupt
 
 
 def _cli(*args: str) -> list[str]:
@@ -313,12 +334,14 @@ def run_swarm_demo(
     Args:
         config: The swarm.
         out: Where the progress lines and the summary go.
-        stop: Set it (from a signal handler) to end the run early: the peers
-            get SIGTERM and end with their summaries, then the demo prints its
-            own. It is only looked at once a peer trains.
+        stop: Set it (from a signal handler) to end the run early: once a
+            peer trains, the peers get SIGTERM and end with their summaries,
+            then the demo prints its own; before that the demo is interrupted.
         began: Set by the demo when the first peer starts training.
 
     Raises:
+        KeyboardInterrupt: ``stop`` was set before any peer trained (the
+            processes started so far are stopped).
         ConfigError: The bootstrap peer did not come up.
     """
 
@@ -341,7 +364,7 @@ def run_swarm_demo(
     processes: list[_Process] = []
     boot = _Process(_cli("bootstrap", "--port", "0"), None, origin)
     try:
-        line = boot.wait_for_line("--join", _STARTUP_TIMEOUT)
+        line = boot.wait_for_line("--join", _STARTUP_TIMEOUT, stop)
         join = line.split("--join", 1)[1].strip()
         say(f"bootstrap peer {join}")
         early, late = runs[:-1], runs[-1]
@@ -352,10 +375,11 @@ def run_swarm_demo(
         )
         for run in early:
             run.launched = time.monotonic() - origin
+            _check_stop(stop)
             processes.append(_Process(_train_argv(config, run, join, config.seconds), run, origin))
         # The late peer starts a while after the first peers train, and is told
         # to stop (SIGTERM: a clean end with a summary) when they are done.
-        first_start = _wait_for_start(processes, _STARTUP_TIMEOUT)
+        first_start = _wait_for_start(processes, _STARTUP_TIMEOUT, stop)
         if began is not None:
             began.set()
         say(f"training began at {first_start:.1f} s; Ctrl-C stops the demo with a summary")
@@ -409,11 +433,18 @@ def run_swarm_demo(
     return result
 
 
-def _wait_for_start(processes: Sequence[_Process], timeout: float) -> float:
-    """When the first peer started training; fails with each peer's own error line."""
+def _wait_for_start(
+    processes: Sequence[_Process], timeout: float, stop: threading.Event | None = None
+) -> float:
+    """When the first peer started training; fails with each peer's own error line.
+
+    Raises:
+        KeyboardInterrupt: ``stop`` was set first.
+    """
     runs = [p.run for p in processes if p.run is not None]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        _check_stop(stop)
         joined = [r.joined_at for r in runs if r.joined_at is not None]
         if joined:
             return min(joined)

@@ -126,11 +126,28 @@ def test_ctrl_c_once_training_began_stops_the_peers_and_prints_the_summary(
     assert "wall" in out and float(out.split("wall ")[1].split(" s")[0]) < 120, out
 
 
-def test_ctrl_c_before_training_began_exits_130() -> None:
+def _alive_with(text: str) -> list[int]:
+    """Processes (not zombies) whose command line contains ``text``."""
+    alive = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # it exited meanwhile
+        if text in cmdline and state != "Z":
+            alive.append(int(proc.name))
+    return alive
+
+
+def test_ctrl_c_before_training_began_exits_130_and_leaves_no_process() -> None:
     demo = cli_process("demo", "--peers", "2", "--seconds", "60")
     try:
+        join = _read_until(demo, "bootstrap peer", time.monotonic() + 60)[-1].split()[-1]
+        # the peers are started right after this line: Ctrl-C lands while they start
         _read_until(demo, "starting 1 peers now", time.monotonic() + 60)
         demo.process.send_signal(signal.SIGINT)
-        assert demo.process.wait(60) == 130
+        assert demo.process.wait(60) == 130, "".join(demo.stderr)
     finally:
         demo.stop()
+    assert _alive_with(join) == []  # every peer got the bootstrap's address on its command line
