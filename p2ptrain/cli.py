@@ -117,7 +117,8 @@ def _build_parser() -> argparse.ArgumentParser:
             "Start a bootstrap peer and --peers training peers on this machine, as "
             "separate processes; they train the charlm example together for --seconds "
             "(one joins late, each announces a different bandwidth). Prints a summary "
-            "and writes a PNG of the loss against time."
+            "and writes a PNG of the loss against time. Ctrl-C once training began "
+            "stops the peers and still prints the summary (exit 0)."
         ),
         epilog="example: p2ptrain demo --peers 4 --seconds 90 --png loss.png",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -448,11 +449,28 @@ def _identity(args: argparse.Namespace) -> Identity | None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
     from p2ptrain.swarm_demo import SwarmDemoConfig, run_swarm_demo  # noqa: PLC0415
 
     if args.shaped and os.geteuid() != 0:
         print("p2ptrain demo --shaped needs root (network namespaces and tc)", file=sys.stderr)
         return 2
+    stop, began = threading.Event(), threading.Event()
+
+    def interrupted(signum: int, frame: object) -> None:
+        # Ctrl-C (or SIGTERM) once a peer trains stops the peers cleanly
+        # (summaries, PNG, exit 0); before that the demo raises KeyboardInterrupt
+        # where no child can be left unrecorded (exit 130); a second time, exit 130.
+        if stop.is_set():
+            raise KeyboardInterrupt
+        if began.is_set():
+            print("stopping (Ctrl-C again to interrupt) ...", file=sys.stderr, flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
     config = SwarmDemoConfig(
         peers=args.peers,
         seconds=args.seconds,
@@ -460,8 +478,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         shaped=args.shaped,
     )
-    result = run_swarm_demo(config, out=sys.stdout)
-    return 0 if result.ok else 1
+    result = run_swarm_demo(config, out=sys.stdout, stop=stop, began=began)
+    return 0 if result.ok or result.stopped else 1
 
 
 def _run_train(args: argparse.Namespace) -> int:

@@ -492,11 +492,13 @@ def dht_collector(node: DHTNode) -> Callable[[], list[Sample]]:
 
 
 def nat_collector(service: NATService) -> Callable[[], list[Sample]]:
-    """A collector of a peer's NAT traversals: paths taken, fallbacks, failures.
+    """A collector of a peer's NAT traversals: paths taken, fallbacks, failures, durations.
 
     Use ``metrics.add_collector(nat_collector(peer.nat))`` on a peer running
     NAT traversal.
     """
+    from p2ptrain.nat.stats import TRAVERSAL_BUCKETS  # noqa: PLC0415 - p2ptrain.nat imports us
+
     stats = service.stats
 
     def collect() -> list[Sample]:
@@ -504,10 +506,11 @@ def nat_collector(service: NATService) -> Callable[[], list[Sample]]:
         samples = [
             _counter("p2ptrain_nat_traversal_failures_total", stats.failed),
             _counter("p2ptrain_nat_crossing_dials_total", stats.crossing),
-            _counter("p2ptrain_nat_traversal_seconds_count", sum(connected.values())),
-            _counter("p2ptrain_nat_traversal_seconds_sum", stats.seconds),
             _counter("p2ptrain_nat_refused_total", service.refused),
         ]
+        samples += histogram_samples(
+            "p2ptrain_nat_traversal_seconds", TRAVERSAL_BUCKETS, list(stats.buckets), stats.seconds
+        )
         for path, count in sorted(connected.items()):
             samples.append(_counter("p2ptrain_nat_traversals_total", count, {"path": path}))
         for attempt, count in sorted(dict(stats.fallbacks).items()):

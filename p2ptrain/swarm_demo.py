@@ -15,6 +15,11 @@ at those rates and ``delay_ms`` of delay on each host's sends, and no peer is
 told a rate: the load balancer gets only what the peers measure (probe and
 rounds). The summary then shows each peer's configured rate next to the
 rate it announced last.
+
+The peers run in their own process groups, so that Ctrl-C in a terminal
+reaches only the demo: ``p2ptrain demo`` turns it (and SIGTERM) into
+``stop``, and the demo ends its peers with SIGTERM (each writes its summary)
+and prints its own.
 """
 
 from __future__ import annotations
@@ -139,7 +144,8 @@ class PeerRun:
         events: Its JSON events, each with ``"t"`` (seconds since the demo
             started, by the demo's clock when the line arrived).
         stderr: The tail of its stderr.
-        returncode: Its exit status (``None`` if it was killed).
+        returncode: Its exit status (``None`` if it was killed or never started).
+        started: Whether its process was started.
     """
 
     name: str
@@ -150,6 +156,7 @@ class PeerRun:
     events: list[dict[str, Any]] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)
     returncode: int | None = None
+    started: bool = False
 
     def first(self, kind: str) -> dict[str, Any] | None:
         """Its first event of ``kind``."""
@@ -180,12 +187,14 @@ class SwarmDemoResult:
         png: The plot written, or ``None`` (then ``png_note`` says why).
         wall_s: Seconds the demo took.
         png_note: Why there is no plot, when there is none.
+        stopped: Whether the run was stopped early (Ctrl-C or SIGTERM).
     """
 
     runs: tuple[PeerRun, ...]
     png: Path | None
     wall_s: float
     png_note: str = "nothing to plot"
+    stopped: bool = False
 
     @property
     def ok(self) -> bool:
@@ -203,6 +212,8 @@ class _Process:
 
     def __init__(self, argv: Sequence[str], run: PeerRun | None, origin: float) -> None:
         self.run = run
+        if run is not None:
+            run.started = True
         self.origin = origin
         self.lines: list[str] = []
         self.eof = False
@@ -214,6 +225,7 @@ class _Process:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            process_group=0,  # Ctrl-C in a terminal reaches the demo, which stops its peers
         )
         self._threads = [
             threading.Thread(target=self._read_stdout, daemon=True),
@@ -247,15 +259,26 @@ class _Process:
             if self.run is not None:
                 self.run.stderr = [*self.run.stderr[-40:], line.rstrip("\n")]
 
-    def wait_for_line(self, marker: str, timeout: float) -> str:
-        """The first stdout line containing ``marker``."""
+    def wait_for_line(
+        self, marker: str, timeout: float, stop: threading.Event | None = None
+    ) -> str:
+        """The first stdout line containing ``marker``.
+
+        Raises:
+            KeyboardInterrupt: ``stop`` was set first.
+        """
+        deadline = time.monotonic() + timeout
+        found = False
         with self._changed:
-            found = self._changed.wait_for(
-                lambda: (
-                    any(marker in line for line in self.lines) or self.process.poll() is not None
-                ),
-                timeout,
-            )
+            while not found and time.monotonic() < deadline:
+                _check_stop(stop)
+                found = self._changed.wait_for(
+                    lambda: (
+                        any(marker in line for line in self.lines)
+                        or self.process.poll() is not None
+                    ),
+                    min(0.1, max(0.0, deadline - time.monotonic())),  # to look at stop
+                )
             for line in self.lines:
                 if marker in line:
                     return line
@@ -282,6 +305,16 @@ class _Process:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    """Before any peer trains, a stop interrupts the demo (the caller stops the processes).
+
+    It is raised here, at a known point, rather than by the signal handler, so
+    that no process can be started and not yet recorded when it comes.
+    """
+    if stop is not None and stop.is_set():
+        raise KeyboardInterrupt
 
 
 def _cli(*args: str) -> list[str]:
@@ -333,10 +366,26 @@ def _shaped_lab(config: SwarmDemoConfig, runs: Sequence[PeerRun]) -> StarLab:
     return lab
 
 
-def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> SwarmDemoResult:
+def run_swarm_demo(
+    config: SwarmDemoConfig,
+    *,
+    out: TextIO | None = None,
+    stop: threading.Event | None = None,
+    began: threading.Event | None = None,
+) -> SwarmDemoResult:
     """Run the demo swarm, print a summary to ``out`` and write the loss plot.
 
+    Args:
+        config: The swarm.
+        out: Where the progress lines and the summary go.
+        stop: Set it (from a signal handler) to end the run early: once a
+            peer trains, the peers get SIGTERM and end with their summaries,
+            then the demo prints its own; before that the demo is interrupted.
+        began: Set by the demo when the first peer starts training.
+
     Raises:
+        KeyboardInterrupt: ``stop`` was set before any peer trained (the
+            processes started so far are stopped).
         ConfigError: The bootstrap peer did not come up.
     """
 
@@ -345,6 +394,7 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
             out.write(text + "\n")
             out.flush()
 
+    stop = stop if stop is not None else threading.Event()
     origin = time.monotonic()
     runs = tuple(
         PeerRun(
@@ -377,7 +427,7 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
         )
     boot = _Process(wrap(0, _cli("bootstrap", "--port", "0", "--host", host(0))), None, origin)
     try:
-        line = boot.wait_for_line("--join", _STARTUP_TIMEOUT)
+        line = boot.wait_for_line("--join", _STARTUP_TIMEOUT, stop)
         join = line.split("--join", 1)[1].strip()
         say(f"bootstrap peer {join}")
         early, late = runs[:-1], runs[-1]
@@ -388,32 +438,48 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
         )
         for i, run in enumerate(early):
             run.launched = time.monotonic() - origin
+            _check_stop(stop)
             argv = wrap(i + 1, _train_argv(config, run, join, config.seconds, host(i + 1)))
             processes.append(_Process(argv, run, origin))
         # The late peer starts a while after the first peers train, and is told
         # to stop (SIGTERM: a clean end with a summary) when they are done.
-        first_start = _wait_for_start(processes, _STARTUP_TIMEOUT)
+        first_start = _wait_for_start(processes, _STARTUP_TIMEOUT, stop)
+        if began is not None:
+            began.set()
+        say(f"training began at {first_start:.1f} s; Ctrl-C stops the demo with a summary")
         live = _LiveLine(out, runs, origin)
-        live.until(lambda: time.monotonic() - origin >= first_start + config.late_delay)
-        late.launched = time.monotonic() - origin
-        seconds = config.seconds + _STARTUP_TIMEOUT
-        argv = _train_argv(config, late, join, seconds, host(len(runs)))
-        late_process = _Process(wrap(len(runs), argv), late, origin)
-        processes.append(late_process)
-        live.say(f"{late.name} starts late at {late.launched:.0f} s")
+        live.until(
+            lambda: stop.is_set() or time.monotonic() - origin >= first_start + config.late_delay
+        )
+        if not stop.is_set():
+            late.launched = time.monotonic() - origin
+            seconds = config.seconds + _STARTUP_TIMEOUT
+            argv = _train_argv(config, late, join, seconds, host(len(runs)))
+            late_process = _Process(wrap(len(runs), argv), late, origin)
+            processes.append(late_process)
+            live.say(f"{late.name} starts late at {late.launched:.0f} s")
         deadline = origin + first_start + config.seconds + _STARTUP_TIMEOUT
+        early_processes = processes[: len(early)]
         live.until(
             lambda: (
-                all(p.process.poll() is not None for p in processes[:-1])
+                stop.is_set()
+                or all(p.process.poll() is not None for p in early_processes)
                 or time.monotonic() > deadline
             )
         )
         live.done()
-        for process in processes[:-1]:
+        if stop.is_set():
+            live.say("stopping the peers ...")
+            for process in processes:  # SIGTERM: each peer ends with its summary
+                if process.process.poll() is None:
+                    process.process.terminate()
+            deadline = time.monotonic() + 30.0
+        for process in early_processes:
             assert process.run is not None
             process.run.returncode = process.wait(max(1.0, deadline - time.monotonic()))
-        late_process.process.terminate()
-        late.returncode = late_process.wait(30.0)
+        if late.started:
+            processes[-1].process.terminate()
+            late.returncode = processes[-1].wait(30.0)
     finally:
         for process in processes:
             process.stop()
@@ -428,16 +494,23 @@ def run_swarm_demo(config: SwarmDemoConfig, *, out: TextIO | None = None) -> Swa
         png, note = plot_loss(runs, Path(config.png)), "nothing to plot"
     except MissingDependencyError as exc:
         png, note = None, str(exc)
-    result = SwarmDemoResult(runs=runs, png=png, wall_s=wall, png_note=note)
+    result = SwarmDemoResult(runs=runs, png=png, wall_s=wall, png_note=note, stopped=stop.is_set())
     say(format_summary(result, config))
     return result
 
 
-def _wait_for_start(processes: Sequence[_Process], timeout: float) -> float:
-    """When the first peer started training; fails with each peer's own error line."""
+def _wait_for_start(
+    processes: Sequence[_Process], timeout: float, stop: threading.Event | None = None
+) -> float:
+    """When the first peer started training; fails with each peer's own error line.
+
+    Raises:
+        KeyboardInterrupt: ``stop`` was set first.
+    """
     runs = [p.run for p in processes if p.run is not None]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        _check_stop(stop)
         joined = [r.joined_at for r in runs if r.joined_at is not None]
         if joined:
             return min(joined)
@@ -582,6 +655,12 @@ def _fmt(value: object, spec: str) -> str:
     return "-"
 
 
+def _exit_cell(run: PeerRun) -> str:
+    if run.returncode is not None:
+        return str(run.returncode)
+    return "killed" if run.started else "not started"
+
+
 def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
     """The demo's summary: one row per peer, then the swarm's loss and throughput."""
     headers = (
@@ -616,7 +695,7 @@ def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
                 str(end.get("syncs", "-")),
                 _fmt(end.get("samples_per_s"), ".1f"),
                 _fmt(end.get("loss"), ".4f"),
-                "killed" if run.returncode is None else str(run.returncode),
+                _exit_cell(run),
             )
         )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
@@ -645,5 +724,8 @@ def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
         if run.returncode != 0 and run.stderr:
             lines.append(f"{run.name} stderr: {run.stderr[-1]}")
     lines.append(f"loss plot: {result.png or result.png_note}")
-    lines.append("demo OK" if result.ok else "demo FAILED (see above)")
+    if result.stopped:
+        lines.append("demo stopped early (Ctrl-C or SIGTERM)")
+    else:
+        lines.append("demo OK" if result.ok else "demo FAILED (see above)")
     return "\n".join(lines)

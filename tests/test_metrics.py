@@ -12,6 +12,7 @@ import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -522,3 +523,37 @@ def test_an_averaged_round_names_its_dropped_peers(caplog: pytest.LogCaptureFixt
     messages = [r.getMessage() for r in caplog.records]
     assert messages[0].startswith("step 7: averaged in a group of 3 in 0.5 s (predicted 0.25 s)")
     assert messages[1] == f"step 7: peer {outcome.report.members[2].short} dropped: connection lost"
+
+
+def test_nat_traversal_seconds_is_a_histogram_of_the_traversals_that_connected() -> None:
+    from types import SimpleNamespace
+
+    from p2ptrain.metrics import nat_collector
+    from p2ptrain.nat.paths import Traversal
+    from p2ptrain.nat.stats import TRAVERSAL_BUCKETS, TraversalStats
+
+    stats = TraversalStats()
+    for path, attempt, seconds in (
+        ("tcp-direct", "tcp-direct", 0.003),
+        ("tcp-holepunch", "tcp-holepunch", 0.4),
+        ("relay", "relay", 75.0),  # above the largest bound
+        ("tcp-direct", "pooled", 0.0),  # a pooled connection is no traversal
+    ):
+        connection: Any = SimpleNamespace(path=path)
+        stats.record(Traversal(connection, attempt, {}, seconds))
+    service: Any = SimpleNamespace(stats=stats, refused=0)
+    metrics = Metrics(process=False)
+    metrics.add_collector(nat_collector(service))
+    text = metrics.prometheus_text()
+    assert "# TYPE p2ptrain_nat_traversal_seconds histogram" in text, text
+    series = parse_prometheus(text)
+
+    def bucket(le: str) -> float:
+        return series[("p2ptrain_nat_traversal_seconds_bucket", (("le", le),))]
+
+    assert TRAVERSAL_BUCKETS[0] == 0.005 and bucket("0.005") == 1
+    assert bucket("0.25") == 1 and bucket("0.5") == 2 and bucket("60.0") == 2
+    assert bucket("+Inf") == series[("p2ptrain_nat_traversal_seconds_count", ())] == 3
+    assert series[("p2ptrain_nat_traversal_seconds_sum", ())] == pytest.approx(75.403)
+    doc = (Path(__file__).parent.parent / "docs" / "observability.md").read_text()
+    assert "| `p2ptrain_nat_traversal_seconds` | histogram |" in doc

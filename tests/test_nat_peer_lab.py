@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -167,6 +168,15 @@ def test_two_nated_peers_average_through_the_router(natlab: NatLab, peers: dict[
     assert taken and {s.labels["path"] for s in taken} == {"tcp-holepunch"}, samples
     skipped = {s.labels["path"] for s in samples if s.name == "p2ptrain_nat_fallbacks_total"}
     assert "tcp-direct" in skipped, samples
+    # ... and how long they took, as a histogram whose count is the traversals that connected
+    timing: Counter[tuple[str, str | None]] = Counter()
+    for s in samples:  # both peers' samples: each series summed over the two
+        if s.name.startswith("p2ptrain_nat_traversal_seconds"):
+            timing[(s.name, s.labels.get("le"))] += s.value
+    count = sum(s.value for s in taken)
+    assert timing[("p2ptrain_nat_traversal_seconds_count", None)] == count, timing
+    assert timing[("p2ptrain_nat_traversal_seconds_bucket", "+Inf")] == count, timing
+    assert timing[("p2ptrain_nat_traversal_seconds_sum", None)] > 0, timing
     figures = ", ".join(f"{t.attempt} in {t.seconds * 1000:.0f} ms" for t in made)
     print(f"\nFIGURE peers a<->b averaged; connected over tcp-holepunch ({figures})")
     for me, other in ((a, b), (b, a)):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from conftest import ChildLines, cli_process
 
 from p2ptrain.errors import ConfigError, MissingDependencyError
 from p2ptrain.swarm_demo import (
@@ -129,3 +132,57 @@ def test_the_shaped_demo_needs_root_and_says_so_in_one_line(
     assert err.strip().splitlines() == [
         "p2ptrain demo --shaped needs root (network namespaces and tc)"
     ]
+
+
+def _read_until(child: ChildLines, marker: str, deadline: float) -> list[str]:
+    lines = [child.next_line(deadline)]
+    while marker not in lines[-1]:
+        lines.append(child.next_line(deadline))
+    return lines
+
+
+def test_ctrl_c_once_training_began_stops_the_peers_and_prints_the_summary(
+    tmp_path: Path,
+) -> None:
+    png = tmp_path / "loss.png"
+    demo = cli_process("demo", "--peers", "2", "--seconds", "120", "--png", str(png))
+    try:
+        deadline = time.monotonic() + 120
+        _read_until(demo, "training began", deadline)
+        demo.process.send_signal(signal.SIGINT)
+        out = "".join(_read_until(demo, "demo stopped early", deadline))
+        assert demo.process.wait(60) == 0, "".join(demo.stderr)
+    finally:
+        demo.stop()
+    assert "peer-0" in out and "global step" in out and "loss plot:" in out, out
+    # the PNG is written when a loss was logged before the stop, and then the summary names it
+    assert (f"loss plot: {png}" in out) == (png.is_file() and png.read_bytes()[:8] == PNG_MAGIC)
+    assert "peer-1 (late)" in out and "not started" in out, out
+    assert "wall" in out and float(out.split("wall ")[1].split(" s")[0]) < 120, out
+
+
+def _alive_with(text: str) -> list[int]:
+    """Processes (not zombies) whose command line contains ``text``."""
+    alive = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # it exited meanwhile
+        if text in cmdline and state != "Z":
+            alive.append(int(proc.name))
+    return alive
+
+
+def test_ctrl_c_before_training_began_exits_130_and_leaves_no_process() -> None:
+    demo = cli_process("demo", "--peers", "2", "--seconds", "60")
+    try:
+        join = _read_until(demo, "bootstrap peer", time.monotonic() + 60)[-1].split()[-1]
+        # the peers are started right after this line: Ctrl-C lands while they start
+        _read_until(demo, "starting 1 peers now", time.monotonic() + 60)
+        demo.process.send_signal(signal.SIGINT)
+        assert demo.process.wait(60) == 130, "".join(demo.stderr)
+    finally:
+        demo.stop()
+    assert _alive_with(join) == []  # every peer got the bootstrap's address on its command line

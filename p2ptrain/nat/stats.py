@@ -6,12 +6,19 @@ be one traversal behind, never torn.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
 from p2ptrain.nat.paths import CROSSING, Traversal
 
-__all__ = ["TraversalStats"]
+__all__ = ["TRAVERSAL_BUCKETS", "TraversalStats"]
+
+TRAVERSAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Upper bounds (seconds) of the traversal-time histogram's buckets; ``+Inf`` is added.
+
+From a direct dial on a LAN (milliseconds) to a relay reached after hole
+punching and TURN timed out (tens of seconds)."""
 
 
 @dataclass
@@ -25,6 +32,9 @@ class TraversalStats:
         failed: Traversals in which every attempt failed.
         crossing: Traversals that kept the connection of a peer dialing us at once.
         seconds: Summed duration of the traversals that connected.
+        buckets: Traversals that connected per duration bucket: entry i
+            counts durations in (``TRAVERSAL_BUCKETS[i-1]``,
+            ``TRAVERSAL_BUCKETS[i]``], the last entry those above them all.
     """
 
     connected: Counter[str] = field(default_factory=Counter)
@@ -32,6 +42,7 @@ class TraversalStats:
     failed: int = 0
     crossing: int = 0
     seconds: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(TRAVERSAL_BUCKETS) + 1))
 
     def record(self, traversal: Traversal) -> None:
         """Count a traversal that connected (``pooled`` ones made nothing new)."""
@@ -41,6 +52,7 @@ class TraversalStats:
         self.fallbacks.update(a for a in traversal.attempts if a != CROSSING)
         self.crossing += traversal.crossing
         self.seconds += traversal.seconds
+        self.buckets[bisect.bisect_left(TRAVERSAL_BUCKETS, traversal.seconds)] += 1
 
     def record_failure(self, attempts: dict[str, str]) -> None:
         """Count a traversal in which every attempt (the keys of ``attempts``) failed."""
