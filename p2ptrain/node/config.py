@@ -25,6 +25,11 @@ class NodeConfig:
         dial_timeout: seconds to open a TCP connection.
         reuse_port: listen with SO_REUSEPORT, so outgoing connections can be
             opened from the listening port (TCP hole punching needs it).
+        max_connections: open connections above which the node closes the
+            ones idle longest (no open streams for at least ``min_idle_s``);
+            busy connections are never closed for this.
+        min_idle_s: seconds a connection must have been idle to be closed
+            for ``max_connections``.
     """
 
     host: str = "127.0.0.1"
@@ -35,6 +40,8 @@ class NodeConfig:
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     dial_timeout: float = 10.0
     reuse_port: bool = False
+    max_connections: int = 256
+    min_idle_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -43,3 +50,9 @@ class NodeConfig:
             raise ConfigError("swarm must be a name of 1 to 256 bytes (UTF-8)")
         if not self.dial_timeout > 0:
             raise ConfigError("dial_timeout must be positive")
+        if isinstance(self.max_connections, bool) or not (
+            isinstance(self.max_connections, int) and self.max_connections >= 1
+        ):
+            raise ConfigError(f"max_connections must be an int >= 1, got {self.max_connections!r}")
+        if not self.min_idle_s >= 0:
+            raise ConfigError("min_idle_s must be >= 0")

@@ -99,9 +99,11 @@ class Connection:
         self.idle_since: float | None = self._loop.time()
         self.going_away = False
         self._close_callbacks: list[Callable[[Connection], None]] = []
+        # Before the receiver: a transport that closed meanwhile reports it
+        # at once, and that cancels the maintenance task.
+        self._maintenance = self._loop.create_task(self._maintain(), name="conn-maintenance")
         transport.set_receiver(self)
         transport.set_payload_allocator(self._payload_buffer)
-        self._maintenance = self._loop.create_task(self._maintain(), name="conn-maintenance")
 
     def __repr__(self) -> str:
         return f"Connection({self.remote_peer.short} via {self.path}, {len(self._streams)} streams)"
