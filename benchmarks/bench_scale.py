@@ -124,7 +124,15 @@ def real_main(job: dict[str, Any]) -> None:
     from p2ptrain.train.progress import ProgressConfig
 
     torch.set_num_threads(1)
-    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+    go = threading.Event()
+
+    def watch_stdin() -> None:  # "go" starts training; stdin closing ends the process
+        sys.stdin.readline()
+        go.set()
+        sys.stdin.read()
+        os._exit(0)
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     generator = torch.Generator().manual_seed(job["shard"])
@@ -154,7 +162,7 @@ def real_main(job: dict[str, Any]) -> None:
     )
     with Peer(config) as peer:
         _emit({"address": peer.address})
-        sys.stdin.readline()  # "go"
+        go.wait()
         times: list[float] = []
         with CollaborativeOptimizer(inner, peer=peer, config=trainer) as opt:
             while opt.global_step < job["steps"]:
@@ -320,7 +328,7 @@ def main() -> None:
     parser.add_argument("--no-sim", action="store_true")
     parser.add_argument("--png", help="also draw step time and bytes against N")
     parser.add_argument(
-        "--sim-rows", help="take the simulation rows from an earlier run's output file"
+        "--sim-rows", help="take the simulation rows from earlier runs' output files (a,b)"
     )
     args = parser.parse_args()
     if args.sim:
@@ -331,9 +339,11 @@ def main() -> None:
         return
 
     rows: list[dict[str, Any]] = []
-    if args.sim_rows:  # rows measured by an earlier run of this script (its JSON line)
-        rows = json.loads(Path(args.sim_rows).read_text().strip().splitlines()[-1])["sim_rows"]
-        print(f"simulation rows read from {args.sim_rows}", flush=True)
+    if args.sim_rows:  # rows measured by earlier runs of this script (their JSON lines)
+        for name in args.sim_rows.split(","):
+            rows += json.loads(Path(name).read_text().strip().splitlines()[-1])["sim_rows"]
+            print(f"simulation rows read from {name}", flush=True)
+        rows.sort(key=lambda row: row["peers"])
     elif not args.no_sim:
         sizes = [int(s) for s in args.sizes.split(",")]
         with concurrent.futures.ThreadPoolExecutor(len(sizes)) as pool:  # one child per size
