@@ -8,19 +8,21 @@ swarm of about ``N`` peers splits into ``G = ceil(N / group_size)`` groups and
 averages in three phases (a two-level hierarchy whose second level is
 sharded, see docs/allreduce.md for why this and not Moshpit's grid):
 
-1. **Group.** Each peer hashes (step key, PeerID) into one of ``G`` groups and
-   matchmakes under ``<key>/g<i>``, so a DHT dictionary holds one group's
-   announcements. The group all-reduces ``[w·x, w]`` with equal weights (the
-   DeDLOC LP plans it); from the average and the number of contributors each
-   member gets the group's weighted average ``a`` and its total weight ``W``.
+1. **Group.** Each peer hashes its PeerID into one of ``G`` groups (the same
+   group every step while ``G`` stays) and matchmakes under ``<key>/g<i>``,
+   so a DHT dictionary holds one group's announcements. The group
+   all-reduces ``[w·x, w]`` with equal weights (the DeDLOC LP plans it); from
+   the average and the number of contributors each member gets the group's
+   weighted average ``a`` and its total weight ``W``.
 2. **Columns.** The vector is cut into ``S = group_size`` equal slices, the
-   same cut in every group. The group's members that accept connections
-   share the slices contiguously (member ``k`` of ``m`` covers slices
-   ``[k·S/m, (k+1)·S/m)``). For each slice ``s`` it covers, a member
+   same cut in every group. The group's members deal the slices among
+   themselves in proportion to their parts in the group's plan
+   (:func:`slice_edges`). For each slice ``s`` it covers, a member
    matchmakes under ``<key>/s<s>`` (one member per group: ``G``
-   announcements) and all-reduces its group's slice with weight ``W``. Every
-   column holds one member of every group, so every slice comes out as
-   ``Σ W_g a_g / Σ W_g``: the exact global weighted average.
+   announcements) while the group averages, then all-reduces its group's
+   slice with weight ``W``. Every column holds one member of every group, so
+   every slice comes out as ``Σ W_g a_g / Σ W_g``: the exact global weighted
+   average.
 3. **Gather.** The group all-gathers the slices (each member's own part is the
    slices it covered) under a plan every member derives from the group's
    plan, so this phase needs no matchmaking.
@@ -206,7 +208,7 @@ class GroupedAverager:
         groups = group_count(swarm_size, cfg.group_size)
         me = self.matchmaker.dht.peer_id
         if groups == 1:
-            self._set_target(swarm_size, self._base.window)
+            self._set_target(swarm_size, self._base.window, alone_ok=False)
             plan = await self.matchmaker.form_group(key, num_elements=vector.numel())
             out, report = await self.service.allreduce(plan, vector, weight, config=config)
             counted = _counted(plan, report)
@@ -221,7 +223,7 @@ class GroupedAverager:
             )
         # 1. the group: average [w*x, w] with equal weights.
         index = group_index(me, groups)
-        cap = max(self._base.min_group_size, math.ceil(cfg.max_group_factor * cfg.group_size))
+        cap = math.ceil(cfg.max_group_factor * cfg.group_size)
         self._set_target(cap, cfg.group_window)
         n = vector.numel()
         plan = await self.matchmaker.form_group(f"{key}/g{index}", num_elements=n + 1)
@@ -300,10 +302,16 @@ class GroupedAverager:
     async def _column_plan(self, key: str, index: int, num_elements: int) -> GroupPlan:
         return await self.matchmaker.form_group(f"{key}/s{index}", num_elements=num_elements)
 
-    def _set_target(self, size: int, window: float) -> None:
+    def _set_target(self, size: int, window: float, *, alone_ok: bool = True) -> None:
+        """Gather up to ``size`` peers for ``window`` seconds.
+
+        In the grouped phases a group or column of one is fine (hashing can
+        leave a peer alone in its group; a column of one group is that group).
+        """
         base = self._base
+        low = 1 if alone_ok else base.min_group_size
         self.matchmaker.config = dataclasses.replace(
-            base, target_group_size=max(base.min_group_size, size), window=window
+            base, target_group_size=max(low, size), min_group_size=low, window=window
         )
 
 
