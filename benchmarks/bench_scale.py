@@ -116,6 +116,7 @@ def real_main(job: dict[str, Any]) -> None:
     import torch
     from torch import nn
 
+    from p2ptrain.allreduce.grouped import GroupingConfig
     from p2ptrain.allreduce.matchmaking import MatchmakingConfig
     from p2ptrain.dht.node_config import DHTNodeConfig
     from p2ptrain.peer import Peer, PeerConfig
@@ -148,8 +149,10 @@ def real_main(job: dict[str, Any]) -> None:
             round_timeout=30.0,
         ),
         start_timeout=300.0,
+        join_timeout=120.0,
     )
     trainer = TrainerConfig(
+        grouping=GroupingConfig(group_size=job["group_size"], column_window=20.0),
         run_id="scale",
         target_batch_size=job["target"],
         progress=ProgressConfig(
@@ -267,7 +270,12 @@ def run_sim(args: argparse.Namespace, peers: int) -> dict[str, Any]:
 
 def run_real(args: argparse.Namespace) -> dict[str, Any]:
     batch = 16
-    base = {"steps": args.real_steps, "batch": batch, "target": args.real_peers * batch}
+    base = {
+        "steps": args.real_steps,
+        "batch": batch,
+        "target": args.real_peers * batch,
+        "group_size": args.real_group_size,
+    }
     children: list[Child] = []
     try:
         children.append(Child("--real", {**base, "shard": 0, "initial_peers": []}))
@@ -324,6 +332,9 @@ def main() -> None:
     parser.add_argument("--sim-timeout", type=float, default=7200.0)
     parser.add_argument("--real-peers", type=int, default=48)
     parser.add_argument("--real-steps", type=int, default=10)
+    parser.add_argument(
+        "--real-group-size", type=int, default=32, help="GroupingConfig.group_size of the real run"
+    )
     parser.add_argument("--no-real", action="store_true")
     parser.add_argument("--no-sim", action="store_true")
     parser.add_argument("--png", help="also draw step time and bytes against N")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from p2ptrain.allreduce.config import AllReduceConfig
+from p2ptrain.allreduce.grouped import GroupingConfig
 from p2ptrain.errors import ConfigError, StateSyncError
 from p2ptrain.metrics import Metrics, allreduce_collector
 from p2ptrain.node.address import PeerAddress
@@ -149,8 +150,9 @@ class Collaboration:
         lead = settings.matchmaking_lead
         self.lead_time = peer.matchmaker.config.window / 2 if lead is None else lead
         self._tolerance = settings.sync_tolerance
+        grouping: GroupingConfig | None = getattr(settings, "grouping", None)
         self._averager = SwarmAverager(
-            peer=peer, run_id=settings.run_id, allreduce=settings.allreduce
+            peer=peer, run_id=settings.run_id, allreduce=settings.allreduce, grouping=grouping
         )
         self._tracker = ProgressTracker(
             dht=peer.dht,
