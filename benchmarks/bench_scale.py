@@ -125,6 +125,7 @@ def real_main(job: dict[str, Any]) -> None:
     from p2ptrain.train.progress import ProgressConfig
 
     torch.set_num_threads(1)
+    grouped_steps = _count_grouped_steps()
     go = threading.Event()
 
     def watch_stdin() -> None:  # "go" starts training; stdin closing ends the process
@@ -184,6 +185,8 @@ def real_main(job: dict[str, Any]) -> None:
                 {
                     "result": {
                         "steps": opt.global_step,
+                        "averaged": opt.stats.rounds,
+                        "grouped": grouped_steps[0],
                         "times": times,
                         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                         "max_entries": max((len(v) for v in per_key.values()), default=0),
@@ -194,6 +197,23 @@ def real_main(job: dict[str, Any]) -> None:
                     }
                 }
             )
+
+
+def _count_grouped_steps() -> list[int]:
+    """A counter of the steps this process averaged in groups (from the averager's log)."""
+    import logging
+
+    count = [0]
+
+    class Counter(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "groups (mine" in record.msg:
+                count[0] += 1
+
+    log = logging.getLogger("p2ptrain.train.averaging")
+    log.setLevel(logging.INFO)
+    log.addHandler(Counter())
+    return count
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -307,6 +327,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         else 0,
         "real_step_s": sum(step_times) / len(step_times) if step_times else None,
         "real_max_rss_mb": max((r["rss_mb"] for r in done), default=None),
+        "real_averaged_steps_min": min((r["averaged"] for r in done), default=None),
+        "real_grouped_steps_min": min((r["grouped"] for r in done), default=None),
         "real_max_dict_entries": max((r["max_entries"] for r in done), default=None),
         "real_max_value_bytes": max((r["max_value_bytes"] for r in done), default=None),
         "real_max_entry_bytes": max((r["max_entry_bytes"] for r in done), default=None),

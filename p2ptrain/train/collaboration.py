@@ -67,6 +67,7 @@ class SwarmSettings:
         matchmaking_lead: Seconds ahead of a step to matchmake (``None``: half
             the matchmaking window).
         sync_tolerance: Steps a peer may lag and still join a step.
+        grouping: When and how a step averages in groups (``None``: the defaults).
     """
 
     run_id: str
@@ -76,6 +77,7 @@ class SwarmSettings:
     state: StateSyncConfig
     matchmaking_lead: float | None
     sync_tolerance: int
+    grouping: GroupingConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -150,9 +152,11 @@ class Collaboration:
         lead = settings.matchmaking_lead
         self.lead_time = peer.matchmaker.config.window / 2 if lead is None else lead
         self._tolerance = settings.sync_tolerance
-        grouping: GroupingConfig | None = getattr(settings, "grouping", None)
         self._averager = SwarmAverager(
-            peer=peer, run_id=settings.run_id, allreduce=settings.allreduce, grouping=grouping
+            peer=peer,
+            run_id=settings.run_id,
+            allreduce=settings.allreduce,
+            grouping=settings.grouping,
         )
         self._tracker = ProgressTracker(
             dht=peer.dht,
