@@ -113,6 +113,10 @@ class ButterflyRound:
         weight: This member's weight (finite, >= 0).
         config: Codec and aggregation rule.
         observer: Event callbacks.
+        gather_only: Contribute to no one else's part, and make this member's
+            own part its local values (weight 0 as a sender, its own weight as
+            the reducer). When every member passes it, the round is an
+            all-gather: each part comes back as its owner's values.
 
     Raises:
         ConfigError: This node is not a member, or the vector has the wrong size.
@@ -127,6 +131,7 @@ class ButterflyRound:
         *,
         config: AllReduceConfig,
         observer: RoundObserver | None = None,
+        gather_only: bool = False,
     ) -> None:
         index = plan.index_of(node.peer_id)
         if index is None:
@@ -139,7 +144,8 @@ class ButterflyRound:
         self.plan = plan
         self.index = index
         self.flat = flat
-        self.weight = weight
+        own_weight = weight
+        self.weight = weight = 0.0 if gather_only else weight
         self.config = config
         self.observer = observer or RoundObserver()
         # The output and (flattened) input of this size come back every round:
@@ -155,7 +161,7 @@ class ButterflyRound:
                 out=self.out[start:stop],
                 local=flat[start:stop],
                 local_index=index,
-                local_weight=weight,
+                local_weight=own_weight,
                 senders=range(plan.size),
                 chunk_elements=plan.chunk_elements,
                 config=config,

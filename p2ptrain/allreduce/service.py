@@ -143,6 +143,7 @@ class AllReduceService:
         *,
         config: AllReduceConfig | None = ...,
         observer: RoundObserver | None = ...,
+        gather_only: bool = ...,
     ) -> tuple[torch.Tensor, AllReduceReport]: ...
 
     @overload
@@ -154,6 +155,7 @@ class AllReduceService:
         *,
         config: AllReduceConfig | None = ...,
         observer: RoundObserver | None = ...,
+        gather_only: bool = ...,
     ) -> tuple[list[torch.Tensor], AllReduceReport]: ...
 
     async def allreduce(
@@ -164,6 +166,7 @@ class AllReduceService:
         *,
         config: AllReduceConfig | None = None,
         observer: RoundObserver | None = None,
+        gather_only: bool = False,
     ) -> tuple[torch.Tensor | list[torch.Tensor], AllReduceReport]:
         """Average ``tensors`` with the other members of ``group``, weighted.
 
@@ -182,6 +185,10 @@ class AllReduceService:
                 average without changing it.
             config: Codec and aggregation rule (defaults: no compression, mean).
             observer: Callbacks at protocol events.
+            gather_only: All-gather instead of averaging: this member sends
+                nothing to the others' parts and its own part comes back to
+                everyone as its local values (every member passes it; the
+                grouped averaging in :mod:`p2ptrain.allreduce.grouped` uses it).
 
         Returns:
             The averaged tensors (same structure, shapes and dtypes) and the
@@ -201,7 +208,13 @@ class AllReduceService:
         if round_id in self._rounds or round_id in self._finished:
             raise ConfigError(f"round id {round_id.hex()} was already used on this node")
         round_ = ButterflyRound(
-            self.node, group, flat, float(weight), config=config, observer=observer
+            self.node,
+            group,
+            flat,
+            float(weight),
+            config=config,
+            observer=observer,
+            gather_only=gather_only,
         )
         self._rounds[round_id] = round_
         for peer, reason in self._lost.pop(round_id, {}).items():

@@ -35,6 +35,11 @@ class NodeConfig:
         insecure_plaintext: leave frames after the handshake unencrypted and
             unauthenticated, for a trusted cluster (every peer must set it;
             others refuse). Off by default; see docs/security.md.
+        max_connections: open connections above which the node closes the
+            ones idle longest (no open streams for at least ``min_idle_s``);
+            busy connections are never closed for this.
+        min_idle_s: seconds a connection must have been idle to be closed
+            for ``max_connections``.
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +51,8 @@ class NodeConfig:
     dial_timeout: float = 10.0
     reuse_port: bool = False
     insecure_plaintext: bool = False
+    max_connections: int = 256
+    min_idle_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -56,3 +63,9 @@ class NodeConfig:
             raise ConfigError("dial_timeout must be positive")
         if self.reuse_port and not reuse_port_available():
             raise ConfigError("reuse_port needs SO_REUSEPORT, which this platform lacks")
+        if isinstance(self.max_connections, bool) or not (
+            isinstance(self.max_connections, int) and self.max_connections >= 1
+        ):
+            raise ConfigError(f"max_connections must be an int >= 1, got {self.max_connections!r}")
+        if not self.min_idle_s >= 0:
+            raise ConfigError("min_idle_s must be >= 0")

@@ -6,7 +6,8 @@ closes leaves the pool; idle ones close themselves (see
 :class:`~p2ptrain.rpc.connection.Connection`). Inbound connections that fail
 the handshake are logged once and dropped; they never disturb the others.
 
-Dialing: :meth:`Node.connect` dials TCP, unless a
+Dialing: :meth:`Node.connect` dials TCP (or the node's
+:class:`~p2ptrain.node.network.Network`, e.g. a simulated one), unless a
 :class:`~p2ptrain.node.router.Router` is installed (:meth:`Node.set_router`,
 e.g. a NAT service): then every dial to a known PeerID goes through it, and
 the router picks the path (a direct dial with :meth:`Node.connect_direct`, or
@@ -25,12 +26,13 @@ from p2ptrain.handshake import perform_handshake
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
+from p2ptrain.node.network import Listener, Network, TCPNetwork
 from p2ptrain.node.router import Router
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import HandlerTable, Message
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.transport.base import FrameTransport
-from p2ptrain.transport.tcp import TCPListener, TCPTransport, tcp_connect, tcp_listen
+from p2ptrain.transport.tcp import TCPTransport
 from p2ptrain.wire.frames import Buffer
 
 __all__ = ["Node"]
@@ -51,11 +53,13 @@ class Node:
         identity: Identity | None = None,
         config: NodeConfig | None = None,
         handlers: HandlerTable | None = None,
+        network: Network | None = None,
     ) -> None:
         self.identity = identity or Identity.generate()
+        self.network: Network = network or TCPNetwork()
         self.config = config or NodeConfig()
         self.handlers = handlers or HandlerTable()
-        self._listener: TCPListener | None = None
+        self._listener: Listener | None = None
         self._by_peer: dict[PeerID, Connection] = {}
         self._all: set[Connection] = set()
         self._dials: dict[str, asyncio.Task[Connection]] = {}
@@ -105,14 +109,11 @@ class Node:
 
     async def start(self) -> None:
         """Start listening."""
-        conn = self.config.connection
-        self._listener = await tcp_listen(
+        self._listener = await self.network.listen(
             self.config.host,
             self.config.port,
             self._on_inbound,
-            max_frame_bytes=conn.max_frame_bytes,
-            max_header_bytes=conn.max_header_bytes,
-            write_high_water=conn.write_high_water,
+            limits=self.config.connection,
             reuse_port=self.config.reuse_port,
         )
         logger.info("node %s listening on %s", self.peer_id.short, self.address.endpoint)
@@ -236,14 +237,11 @@ class Node:
     # -- internals ---------------------------------------------------------------------
 
     async def _dial(self, address: PeerAddress) -> Connection:
-        conn_config = self.config.connection
-        transport = await tcp_connect(
+        transport = await self.network.connect(
             address.host,
             address.port,
             timeout=self.config.dial_timeout,
-            max_frame_bytes=conn_config.max_frame_bytes,
-            max_header_bytes=conn_config.max_header_bytes,
-            write_high_water=conn_config.write_high_water,
+            limits=self.config.connection,
         )
         conn = await self._secure(transport, initiator=True, expected=address.peer_id)
         if address.peer_id is None:
@@ -257,7 +255,7 @@ class Node:
             )
         return conn
 
-    def _on_inbound(self, transport: TCPTransport) -> None:
+    def _on_inbound(self, transport: FrameTransport) -> None:
         if self._closing:
             transport.close()
             return
@@ -265,8 +263,9 @@ class Node:
         self._accepts.add(task)
         task.add_done_callback(self._accepts.discard)
 
-    async def _accept(self, transport: TCPTransport) -> None:
-        await transport.connected.wait()
+    async def _accept(self, transport: FrameTransport) -> None:
+        if isinstance(transport, TCPTransport):
+            await transport.connected.wait()
         try:
             await self._secure(transport, initiator=False, expected=None)
         except (HandshakeError, RemoteProtocolError, TransportError) as exc:
@@ -321,11 +320,38 @@ class Node:
         return conn
 
     def _adopt(self, conn: Connection) -> None:
+        if conn.closed:  # the transport closed right after the handshake
+            return
         self._all.add(conn)
         if self.connection_to(conn.remote_peer) is None:
             self._by_peer[conn.remote_peer] = conn
         conn.on_close(self._forget)
         logger.debug("connected to %s via %s", conn.remote_peer.short, conn.path)
+        self._close_idle(keep=conn)
+
+    def _close_idle(self, *, keep: Connection) -> None:
+        """Above ``max_connections``, close the connections idle longest (LRU)."""
+        excess = len(self._all) - self.config.max_connections
+        if excess <= 0:
+            return
+        now = asyncio.get_running_loop().time()
+        idle = [
+            c
+            for c in self._all
+            if c is not keep
+            and not c.closed
+            and c.open_streams == 0
+            and c.idle_since is not None
+            and now - c.idle_since >= self.config.min_idle_s
+        ]
+        idle.sort(key=lambda c: c.idle_since or 0.0)
+        for conn in idle[:excess]:
+            logger.debug("closing idle connection to %s (pool full)", conn.remote_peer.short)
+            if self._by_peer.get(conn.remote_peer) is conn:
+                del self._by_peer[conn.remote_peer]
+            task = asyncio.get_running_loop().create_task(conn.aclose(), name="close-idle")
+            self._accepts.add(task)
+            task.add_done_callback(self._accepts.discard)
 
     def _forget(self, conn: Connection) -> None:
         if conn in self._all:

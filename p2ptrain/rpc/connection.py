@@ -101,9 +101,11 @@ class Connection:
         self.rtt_s: float | None = None
         """The smallest PING round-trip time seen on this connection (None before one)."""
         self._close_callbacks: list[Callable[[Connection], None]] = []
+        # Before the receiver: a transport that closed meanwhile reports it
+        # at once, and that cancels the maintenance task.
+        self._maintenance = self._loop.create_task(self._maintain(), name="conn-maintenance")
         transport.set_receiver(self)
         transport.set_payload_allocator(self._payload_buffer)
-        self._maintenance = self._loop.create_task(self._maintain(), name="conn-maintenance")
 
     def __repr__(self) -> str:
         return f"Connection({self.remote_peer.short} via {self.path}, {len(self._streams)} streams)"

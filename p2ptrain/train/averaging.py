@@ -13,6 +13,11 @@ owned background task, so that it overlaps the last local batches; the
 following :meth:`~SwarmAverager.average` for that step takes its plan (or
 matchmakes again if the early attempt failed).
 
+A step that expects more peers than ``GroupingConfig.group_size`` averages
+in groups instead (:class:`~p2ptrain.allreduce.grouped.GroupedAverager`:
+groups, then one all-reduce per slice across the groups, to the exact
+weighted average); it matchmakes when it averages, not early.
+
 The matchmaker's group size is set per step through its public ``config``
 attribute (the :class:`~p2ptrain.peer.Peer` owns one matchmaker per node; the
 trainer is its only user while it runs).
@@ -31,6 +36,7 @@ import torch
 
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.group import GroupPlan
+from p2ptrain.allreduce.grouped import GroupedAverager, GroupingConfig
 from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
 from p2ptrain.allreduce.report import AllReduceReport
 from p2ptrain.errors import ConfigError, MatchmakingError, P2PTrainError
@@ -131,9 +137,17 @@ class SwarmAverager:
         peer: The started peer (its matchmaker and all-reduce service).
         run_id: Names the run (prefix of the matchmaking keys).
         allreduce: Codec and aggregation rule of the all-reduce.
+        grouping: Above which size a step averages in groups, and how.
     """
 
-    def __init__(self, *, peer: Peer, run_id: str, allreduce: AllReduceConfig) -> None:
+    def __init__(
+        self,
+        *,
+        peer: Peer,
+        run_id: str,
+        allreduce: AllReduceConfig,
+        grouping: GroupingConfig | None = None,
+    ) -> None:
         if not run_id:
             raise ConfigError("run_id must not be empty")
         self.peer = peer
@@ -143,16 +157,29 @@ class SwarmAverager:
         self._base: MatchmakingConfig = self._matchmaker.config
         self._pending: tuple[int, asyncio.Task[GroupPlan], float] | None = None
         self._last_members: tuple[PeerID, ...] = ()
+        self.grouping = grouping or GroupingConfig()
+        self._grouped = GroupedAverager(
+            matchmaker=self._matchmaker, service=peer.allreduce, config=self.grouping
+        )
 
     @property
     def deadline(self) -> float:
         """The longest one :meth:`average` call can take (matchmaking plus round)."""
         mm = self._base
-        return mm.window + 2 * mm.ready_timeout + mm.plan_timeout + mm.round_timeout
+        flat = mm.window + 2 * mm.ready_timeout + mm.plan_timeout + mm.round_timeout
+        g = self.grouping
+        grouped = (
+            g.group_window
+            + g.column_window
+            + 4 * mm.ready_timeout
+            + 2 * mm.plan_timeout
+            + 3 * mm.round_timeout
+        )
+        return max(flat, grouped)
 
     async def prepare(self, step: int, *, num_elements: int, group_size: int) -> None:
         """Start matchmaking for ``step`` in the background (no-op if already started)."""
-        if group_size <= 1:
+        if group_size <= 1 or group_size > self.grouping.group_size:
             return
         pending = self._pending
         if pending is not None and pending[0] == step:
@@ -181,6 +208,9 @@ class SwarmAverager:
         if group_size <= 1:
             await self._cancel_pending()
             return vector, RoundOutcome(step, 1, weight, "alone", False, 0.0, 0.0)
+        if group_size > self.grouping.group_size:
+            await self._cancel_pending()
+            return await self._average_grouped(step, vector, weight, group_size)
         started = time.perf_counter()
         plan: GroupPlan | None = None
         error: str | None = None
@@ -236,6 +266,53 @@ class SwarmAverager:
         )
         _log_round(outcome, plan)
         return averaged, outcome
+
+    async def _average_grouped(
+        self, step: int, vector: torch.Tensor, weight: float, swarm_size: int
+    ) -> tuple[torch.Tensor, RoundOutcome]:
+        started = time.perf_counter()
+        key = step_key(self.run_id, step)
+        try:
+            averaged, result = await self._grouped.average(
+                key,
+                vector.detach().float().flatten(),
+                weight,
+                swarm_size=swarm_size,
+                allreduce=self.allreduce_config,
+            )
+        except P2PTrainError as exc:
+            logger.warning(
+                "step %d: grouped averaging failed (%s); keeping the local one", step, exc
+            )
+            elapsed = time.perf_counter() - started
+            return vector, RoundOutcome(step, 1, weight, f"grouped: {exc}", False, elapsed, 0.0)
+        elapsed = time.perf_counter() - started
+        report = result.reports[0] if result.reports else None
+        if report is not None:
+            self.peer.throughput.record_round(report)
+        level = logging.INFO if result.complete else logging.WARNING
+        logger.log(
+            level,
+            "step %d: averaged in %d groups (mine: %d) in %.3g s%s",
+            step,
+            result.groups,
+            result.group.size,
+            elapsed,
+            "" if result.complete else f"; incomplete: {'; '.join(result.failures)}",
+        )
+        outcome = RoundOutcome(
+            step=step,
+            group_size=result.group.size,
+            weight=weight,
+            fallback=None,
+            complete=result.complete,
+            matchmaking_s=0.0,
+            allreduce_s=elapsed,
+            bytes_sent=result.bytes_sent,
+            bytes_received=sum(r.bytes_received for r in result.reports),
+            report=report,
+        )
+        return averaged.view_as(vector).to(vector.dtype), outcome
 
     async def aclose(self) -> None:
         """Cancel early matchmaking, if any."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from p2ptrain.allreduce.config import AllReduceConfig
+from p2ptrain.allreduce.grouped import GroupingConfig
 from p2ptrain.errors import ConfigError, StateSyncError
 from p2ptrain.metrics import Metrics, allreduce_collector
 from p2ptrain.node.address import PeerAddress
@@ -69,6 +70,7 @@ class SwarmSettings:
             measured, see :class:`~p2ptrain.train.policy.LeadTimer`).
         sync_tolerance: Steps a peer may lag and still join a step.
         step_policy: How a step holds the target (:mod:`p2ptrain.train.cut`).
+        grouping: When and how a step averages in groups (``None``: the defaults).
     """
 
     run_id: str
@@ -79,6 +81,7 @@ class SwarmSettings:
     matchmaking_lead: float | None
     sync_tolerance: int
     step_policy: StepPolicy = StepPolicy.UNBOUNDED
+    grouping: GroupingConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,10 @@ class Collaboration:
         self._batch = 0
         self._tolerance = settings.sync_tolerance
         self._averager = SwarmAverager(
-            peer=peer, run_id=settings.run_id, allreduce=settings.allreduce
+            peer=peer,
+            run_id=settings.run_id,
+            allreduce=settings.allreduce,
+            grouping=settings.grouping,
         )
         self._tracker = ProgressTracker(
             dht=peer.dht,

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from p2ptrain.allreduce.config import AllReduceConfig
+from p2ptrain.allreduce.grouped import GroupingConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.train.cut import STEP_POLICIES
 from p2ptrain.train.progress import ProgressConfig
@@ -86,6 +87,8 @@ class TrainerConfig:
         allreduce: Codec and aggregation rule of the gradient all-reduce.
         progress: How often progress is published and read.
         state: How training state is served and downloaded.
+        grouping: Above which swarm size a step averages in groups
+            (:mod:`p2ptrain.allreduce.grouped`), and how.
     """
 
     run_id: str
@@ -97,6 +100,7 @@ class TrainerConfig:
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     state: StateSyncConfig = field(default_factory=StateSyncConfig)
+    grouping: GroupingConfig = field(default_factory=GroupingConfig)
 
     def __post_init__(self) -> None:
         _check_run_id("TrainerConfig", self.run_id)
@@ -105,6 +109,8 @@ class TrainerConfig:
                 f"TrainerConfig.step_policy must be one of {list(STEP_POLICIES)}, "
                 f"got {self.step_policy!r}"
             )
+        if not isinstance(self.grouping, GroupingConfig):
+            raise ConfigError("TrainerConfig.grouping must be a GroupingConfig")
         _check_int("TrainerConfig", "target_batch_size", self.target_batch_size)
         if self.max_local_samples_per_step is not None:
             _check_int(

@@ -207,6 +207,7 @@ class CollaborativeOptimizer(SwarmTrainer):
             state=cfg.state,
             matchmaking_lead=lead,
             sync_tolerance=cfg.sync_tolerance,
+            grouping=cfg.grouping,
         )
 
     def _global_step(self) -> bool:

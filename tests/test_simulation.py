@@ -1,0 +1,244 @@
+"""The virtual clock, the simulated network, and the swarm simulator running the real code."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import textwrap
+import time
+
+import pytest
+import torch
+
+from p2ptrain.allreduce import reducer as reducer_module
+from p2ptrain.allreduce.grouped import GroupingConfig
+from p2ptrain.allreduce.service import AllReduceService
+from p2ptrain.errors import ConnectError, P2PTrainError
+from p2ptrain.node.config import NodeConfig
+from p2ptrain.node.node import Node
+from p2ptrain.rpc.handlers import CallContext, Message
+from p2ptrain.testing.simnet import LinkProfile, SimNetwork
+from p2ptrain.testing.simulator import Simulation, SimulationConfig
+from p2ptrain.testing.virtual_clock import VirtualClockLoop, run_virtual
+
+# -- the virtual clock ---------------------------------------------------------------------
+
+
+def test_virtual_clock_runs_an_hour_of_timers_in_no_time() -> None:
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualClockLoop)
+        fired: list[float] = []
+
+        async def sleeper(delay: float) -> None:
+            await asyncio.sleep(delay)
+            fired.append(loop.time())
+
+        await asyncio.gather(*(sleeper(d) for d in (3600.0, 1.5, 60.0)))
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(10.0):
+                await asyncio.Event().wait()
+        fired.append(loop.time())
+        return fired
+
+    wall = time.perf_counter()
+    fired = run_virtual(main())
+    assert time.perf_counter() - wall < 2.0
+    assert fired == pytest.approx([1.5, 60.0, 3600.0, 3610.0])
+
+
+# -- the simulated network -----------------------------------------------------------------
+
+
+async def _echo(ctx: CallContext, request: Message) -> Message:
+    return Message(len(request.payload))
+
+
+async def _two_nodes(net: SimNetwork, a: LinkProfile, b: LinkProfile) -> tuple[Node, Node]:
+    nodes = []
+    for host, link in (("10.0.0.1", a), ("10.0.0.2", b)):
+        node = Node(config=NodeConfig(host=host), network=net.add_host(host, link))
+        await node.start()
+        node.handlers.add_unary("echo", _echo)
+        nodes.append(node)
+    return nodes[0], nodes[1]
+
+
+def test_a_transfer_takes_its_bytes_over_the_slower_link_plus_latency() -> None:
+    async def main() -> tuple[float, float, int]:
+        loop = asyncio.get_running_loop()
+        net = SimNetwork()
+        # 8 Mbit/s up (1 MB/s) from a, 80 Mbit/s down at b, 40 ms RTT between them.
+        a, b = await _two_nodes(net, LinkProfile.mbit(50, 8, 40), LinkProfile.mbit(80, 80, 40))
+        await a.call(b.address, "echo", None, b"")  # dial and handshake first
+        started = loop.time()
+        reply = await a.call(b.address, "echo", None, b"x" * 2_000_000)
+        big = loop.time() - started
+        started = loop.time()
+        await a.call(b.address, "echo", None, b"")
+        small = loop.time() - started
+        await a.aclose()
+        await b.aclose()
+        return big, small, reply.body
+
+    big, small, size = run_virtual(main())
+    assert size == 2_000_000
+    assert small == pytest.approx(0.04, rel=0.05)  # one round trip
+    assert big == pytest.approx(2.0 + 0.04, rel=0.02)  # 2 MB at 1 MB/s, then the reply
+
+
+def test_a_killed_host_resets_its_connections_and_refuses_new_ones() -> None:
+    async def main() -> None:
+        net = SimNetwork()
+        link = LinkProfile.mbit(100, 100, 20)
+        a, b = await _two_nodes(net, link, link)
+        await a.call(b.address, "echo", None, b"")
+        conn = a.connection_to(b.peer_id)
+        assert conn is not None
+        net.kill("10.0.0.2")
+        async with asyncio.timeout(1.0):
+            await conn.transport.wait_closed()
+        with pytest.raises(ConnectError):
+            await a.call(b.address, "echo", None, b"")
+        await a.aclose()
+
+    run_virtual(main())
+
+
+def test_a_node_closes_its_longest_idle_connections_past_max_connections() -> None:
+    async def main() -> int:
+        net = SimNetwork()
+        link = LinkProfile.mbit(100, 100, 20)
+        hub = Node(
+            config=NodeConfig(host="10.0.1.1", max_connections=3, min_idle_s=1.0),
+            network=net.add_host("10.0.1.1", link),
+        )
+        await hub.start()
+        others = []
+        for i in range(6):
+            node = Node(
+                config=NodeConfig(host=f"10.0.2.{i}"), network=net.add_host(f"10.0.2.{i}", link)
+            )
+            await node.start()
+            node.handlers.add_unary("echo", _echo)
+            others.append(node)
+        for node in others:
+            await hub.call(node.address, "echo", None, b"")
+            await asyncio.sleep(2.0)  # virtual: the earlier connections are idle by now
+        await asyncio.sleep(0.5)  # the closes take a round trip
+        count = len(hub.connections())
+        newest = hub.connection_to(others[-1].peer_id)
+        assert newest is not None
+        for node in [hub, *others]:
+            await node.aclose()
+        return count
+
+    assert run_virtual(main()) <= 3
+
+
+# -- grouped averaging in the simulator ----------------------------------------------------
+
+
+def _small(peers: int, **kwargs: object) -> SimulationConfig:
+    return SimulationConfig(
+        peers=peers,
+        vector_elements=4096,
+        grouping=GroupingConfig(group_size=8, group_window=2.0, column_window=6.0),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.slow
+def test_grouped_averaging_reaches_the_exact_weighted_average_under_churn() -> None:
+    async def main() -> list[object]:
+        async with Simulation(_small(24, churn=0.1, seed=3)) as sim:
+            return [await sim.step(), await sim.step()]
+
+    for result in run_virtual(main()):
+        assert result.groups == 3  # type: ignore[attr-defined]
+        assert result.killed == 2  # type: ignore[attr-defined]
+        assert result.incomplete == 0, result.failures  # type: ignore[attr-defined]
+        assert result.counted_fraction >= 0.99  # type: ignore[attr-defined]
+        assert result.max_rel_error < 1e-6  # type: ignore[attr-defined]
+        # No DHT value holds more than about one group's announcements.
+        assert result.max_dict_entries <= 2.5 * 8  # type: ignore[attr-defined]
+
+
+def test_below_the_group_size_the_swarm_averages_in_one_group() -> None:
+    async def main() -> object:
+        async with Simulation(_small(6, seed=1)) as sim:
+            return await sim.step()
+
+    result = run_virtual(main())
+    assert result.groups == 1  # type: ignore[attr-defined]
+    assert result.counted_fraction == 1.0  # type: ignore[attr-defined]
+    assert result.max_rel_error < 1e-6  # type: ignore[attr-defined]
+
+
+def _broken_add() -> object:
+    """A copy of ``ShardReducer.add`` with one line changed: each part is added off by one."""
+    source = textwrap.dedent(inspect.getsource(reducer_module.ShardReducer.add))
+    original = "self._aggregators[chunk].add(values, sender.weight)"
+    assert source.count(original) == 1
+    source = source.replace(original, "self._aggregators[chunk].add(values + 1, sender.weight)")
+    namespace: dict[str, object] = {}
+    exec(compile(source, "<broken reducer>", "exec"), vars(reducer_module), namespace)
+    return namespace["add"]
+
+
+@pytest.mark.slow
+def test_the_simulation_runs_the_real_butterfly_breaking_one_line_breaks_the_average(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def main() -> object:
+        async with Simulation(_small(16, seed=5)) as sim:
+            return await sim.step()
+
+    healthy = run_virtual(main())
+    assert healthy.max_rel_error < 1e-6  # type: ignore[attr-defined]
+    monkeypatch.setattr(reducer_module.ShardReducer, "add", _broken_add())
+    broken = run_virtual(main())
+    assert broken.groups == 2  # type: ignore[attr-defined]
+    assert broken.max_rel_error > 1e-2  # type: ignore[attr-defined]
+
+
+def test_gather_only_rounds_return_each_part_as_its_owners_values() -> None:
+    async def main() -> list[torch.Tensor]:
+        from p2ptrain.allreduce.group import GroupMember, GroupPlan
+
+        net = SimNetwork()
+        link = LinkProfile.mbit(100, 100, 20)
+        nodes = []
+        for i in range(3):
+            node = Node(
+                config=NodeConfig(host=f"10.0.3.{i}"), network=net.add_host(f"10.0.3.{i}", link)
+            )
+            await node.start()
+            nodes.append(node)
+        services = [AllReduceService(node) for node in nodes]
+        plan = GroupPlan.from_shares(
+            [GroupMember(n.peer_id, n.address) for n in nodes], [0.5, 0.0, 0.5], 10
+        )
+        vectors = [torch.full((10,), float(i + 1)) for i in range(3)]
+        results = await asyncio.gather(
+            *(
+                s.allreduce(plan, v, 5.0, gather_only=True)
+                for s, v in zip(services, vectors, strict=True)
+            )
+        )
+        for node in nodes:
+            await node.aclose()
+        return [out for out, _ in results]
+
+    expected = torch.tensor([1.0] * 5 + [3.0] * 5)
+    for out in run_virtual(main()):
+        assert torch.equal(out, expected)
+
+
+def test_simulation_config_rejects_bad_values() -> None:
+    with pytest.raises(P2PTrainError):
+        SimulationConfig(peers=0)
+    with pytest.raises(P2PTrainError):
+        SimulationConfig(churn=1.0)
+    with pytest.raises(P2PTrainError):
+        LinkProfile(0.0, 1.0)
