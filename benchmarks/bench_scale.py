@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import emit_json, format_table
+from benchmarks._common import DefaultsHelpFormatter, emit_json, format_table
 
 # -- one simulated size (child process) -------------------------------------------------------
 
@@ -342,23 +342,35 @@ def _addresses(children: list[Child]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("--sim", help=argparse.SUPPRESS)
     parser.add_argument("--real", help=argparse.SUPPRESS)
-    parser.add_argument("--sizes", default="16,64,256,1024")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--vector-elements", type=int, default=1 << 18)
-    parser.add_argument("--group-size", type=int, default=32)
-    parser.add_argument("--churn", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sim-timeout", type=float, default=7200.0)
-    parser.add_argument("--real-peers", type=int, default=48)
-    parser.add_argument("--real-steps", type=int, default=10)
+    parser.add_argument(
+        "--sizes", default="16,64,256,1024", help="simulated swarm sizes, comma-separated"
+    )
+    parser.add_argument("--steps", type=int, default=2, help="simulated steps per size")
+    parser.add_argument(
+        "--vector-elements", type=int, default=1 << 18, help="float32 elements averaged"
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=32, help="GroupingConfig.group_size (simulated)"
+    )
+    parser.add_argument(
+        "--churn", type=float, default=0.1, help="fraction of peers replaced per round"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of links, churn and data")
+    parser.add_argument(
+        "--sim-timeout", type=float, default=7200.0, help="wall seconds one size may take"
+    )
+    parser.add_argument("--real-peers", type=int, default=48, help="peer processes of the real run")
+    parser.add_argument("--real-steps", type=int, default=10, help="global steps of the real run")
     parser.add_argument(
         "--real-group-size", type=int, default=32, help="GroupingConfig.group_size of the real run"
     )
-    parser.add_argument("--no-real", action="store_true")
-    parser.add_argument("--no-sim", action="store_true")
+    parser.add_argument("--no-real", action="store_true", help="skip the real-process run")
+    parser.add_argument("--no-sim", action="store_true", help="skip the simulation")
     parser.add_argument("--png", help="also draw step time and bytes against N")
     parser.add_argument(
         "--sim-rows", help="take the simulation rows from earlier runs' output files (a,b)"
