@@ -22,14 +22,17 @@ import resource
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 __all__ = [
     "READY_PREFIX",
     "DefaultsHelpFormatter",
+    "JsonChild",
     "ServerProcess",
     "announce_ready",
     "cpu_seconds",
@@ -47,6 +50,63 @@ __all__ = [
 T = TypeVar("T")
 
 READY_PREFIX = "READY "
+
+
+# -- worker processes ------------------------------------------------------------------------
+
+
+class JsonChild:
+    """A worker process of a benchmark script whose JSON stdout lines a thread collects.
+
+    The worker is ``python SCRIPT *args`` run from ``root`` with ``root`` on
+    ``PYTHONPATH``; lines that are not JSON objects are ignored. An empty
+    message marks the end of its output.
+    """
+
+    def __init__(self, script: str | Path, args: Sequence[str], *, root: Path) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
+        )
+        self.lines: list[dict[str, Any]] = []
+        self._ready = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                with self._ready:
+                    self.lines.append(json.loads(line))
+                    self._ready.notify_all()
+        with self._ready:
+            self.lines.append({})
+            self._ready.notify_all()
+
+    def wait_for(self, key: str, timeout: float) -> Any:
+        """The value of the first message holding ``key``; waits up to ``timeout`` s."""
+        with self._ready:
+            self._ready.wait_for(lambda: any(key in m or not m for m in self.lines), timeout)
+            for message in self.lines:
+                if key in message:
+                    return message[key]
+        raise RuntimeError(f"worker exited or timed out before sending {key!r}")
+
+    def send(self, text: str) -> None:
+        """Write one line to the worker's stdin."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(text + "\n")
+        self.process.stdin.flush()
+
+    def close(self) -> None:
+        """Kill the worker if it still runs, and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
 
 
 # -- command lines ---------------------------------------------------------------------------

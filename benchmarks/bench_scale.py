@@ -43,7 +43,6 @@ import json
 import math
 import os
 import resource
-import subprocess
 import sys
 import threading
 import time
@@ -54,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import DefaultsHelpFormatter, emit_json, format_table
+from benchmarks._common import DefaultsHelpFormatter, JsonChild, emit_json, format_table
 
 # -- one simulated size (child process) -------------------------------------------------------
 
@@ -224,50 +223,11 @@ def _emit(obj: dict[str, Any]) -> None:
 # -- the parent -------------------------------------------------------------------------------
 
 
-class Child:
-    """A child process whose JSON stdout lines are read by a thread."""
+class Child(JsonChild):
+    """A ``--sim`` or ``--real`` worker of this script."""
 
     def __init__(self, flag: str, job: dict[str, Any]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, flag, json.dumps(job)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        self.lines: list[dict[str, Any]] = []
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if line.startswith("{"):
-                with self._cond:
-                    self.lines.append(json.loads(line))
-                    self._cond.notify_all()
-        with self._cond:
-            self.lines.append({})
-            self._cond.notify_all()
-
-    def wait_for(self, key: str, timeout: float) -> Any:
-        with self._cond:
-            self._cond.wait_for(lambda: any(key in m or not m for m in self.lines), timeout)
-            for message in self.lines:
-                if key in message:
-                    return message[key]
-        raise RuntimeError(f"child exited or timed out before sending {key!r}")
-
-    def send(self, text: str) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(text + "\n")
-        self.process.stdin.flush()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
+        super().__init__(__file__, [flag, json.dumps(job)], root=ROOT)
 
 
 def run_sim(args: argparse.Namespace, peers: int) -> dict[str, Any]:

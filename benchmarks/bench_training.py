@@ -53,9 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the example model lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import DefaultsHelpFormatter, emit_json, format_table
+from benchmarks._common import DefaultsHelpFormatter, JsonChild, emit_json, format_table
 
 START_TIMEOUT = 120.0
 
@@ -324,52 +322,11 @@ def worker_main(job: dict[str, Any]) -> None:
 # -- the parent -----------------------------------------------------------------------------
 
 
-class Child:
-    """A worker process whose stdout lines are read by a thread."""
+class Child(JsonChild):
+    """A ``--worker`` process of this script."""
 
     def __init__(self, job: dict[str, Any]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", json.dumps(job)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        self.lines: list[dict[str, Any]] = []
-        self._ready = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            with self._ready:
-                self.lines.append(json.loads(line))
-                self._ready.notify_all()
-        with self._ready:
-            self.lines.append({})
-            self._ready.notify_all()
-
-    def wait_for(self, key: str, timeout: float) -> Any:
-        with self._ready:
-            found = self._ready.wait_for(
-                lambda: any(key in m or not m for m in self.lines), timeout
-            )
-            for message in self.lines:
-                if key in message:
-                    return message[key]
-        raise RuntimeError(f"worker exited or timed out before sending {key!r} ({found})")
-
-    def send(self, text: str) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(text + "\n")
-        self.process.stdin.flush()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
+        super().__init__(__file__, ["--worker", json.dumps(job)], root=ROOT)
 
 
 def run_swarm(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
