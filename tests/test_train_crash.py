@@ -11,21 +11,16 @@ the plan timeout, plus the all-reduce round timeout).
 from __future__ import annotations
 
 import itertools
-import json
-import queue
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from train_worker import (
     FAST_MATCHMAKING,
     FAST_PROGRESS,
+    WorkerProcess,
     backward,
     dataset,
     make_model,
@@ -37,7 +32,6 @@ from p2ptrain.peer import Peer
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer
 
-WORKER = Path(__file__).with_name("train_worker.py")
 START_TIMEOUT = 60.0  # importing torch on 2 busy cores
 BATCH = 8
 COUNT = 4
@@ -48,37 +42,6 @@ MM = FAST_MATCHMAKING
 DEADLINE = MM.window + 2 * MM.ready_timeout + MM.plan_timeout + MM.round_timeout
 """The longest one step may take with a dead member (see SwarmAverager.deadline)."""
 CONFIG = TrainerConfig(run_id="crash", target_batch_size=COUNT * BATCH * 2, progress=FAST_PROGRESS)
-
-
-class Victim:
-    """The worker process; its stdout lines arrive in a queue."""
-
-    def __init__(self, job: dict[str, Any]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(WORKER), json.dumps(job)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(json.loads(line))
-        self.lines.put(None)
-
-    def next(self, timeout: float) -> dict[str, Any]:
-        message = self.lines.get(timeout=timeout)
-        assert message is not None, "the worker exited"
-        return message
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        self._reader.join()
 
 
 class Survivor:
@@ -140,7 +103,7 @@ def survivors() -> Iterator[list[Survivor]]:
 
 
 @pytest.fixture
-def victim(survivors: list[Survivor]) -> Iterator[Victim]:
+def victim(survivors: list[Survivor]) -> Iterator[WorkerProcess]:
     job = {
         "run_id": CONFIG.run_id,
         "target": CONFIG.target_batch_size,
@@ -151,7 +114,7 @@ def victim(survivors: list[Survivor]) -> Iterator[Victim]:
         "compute_s": COMPUTE_S,
         "initial_peers": [survivors[0].peer.address],
     }
-    process = Victim(job)
+    process = WorkerProcess(job)
     try:
         yield process
     finally:
@@ -159,7 +122,7 @@ def victim(survivors: list[Survivor]) -> Iterator[Victim]:
 
 
 def test_survivors_keep_stepping_after_a_peer_is_killed(
-    survivors: list[Survivor], victim: Victim
+    survivors: list[Survivor], victim: WorkerProcess
 ) -> None:
     victim.next(START_TIMEOUT)  # its address: it is in the swarm
     for member in survivors:

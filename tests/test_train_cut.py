@@ -8,15 +8,10 @@ calls; the accounting is tested with real peer processes
 
 from __future__ import annotations
 
-import json
-import queue
-import subprocess
-import sys
-import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
+from train_worker import WorkerProcess
 
 from p2ptrain.allreduce.report import AllReduceReport, ShardReport
 from p2ptrain.errors import ConfigError
@@ -27,7 +22,6 @@ from p2ptrain.train.cut import Placement, StepPolicy, place_batch
 from p2ptrain.train.policy import Action, LeadTimer, decide
 from p2ptrain.train.progress import PeerProgress, aggregate
 
-WORKER = Path(__file__).with_name("train_worker.py")
 START_TIMEOUT = 60.0  # importing torch on 2 busy cores
 
 IDS = [Identity.generate().peer_id for _ in range(4)]
@@ -178,42 +172,6 @@ def test_the_group_weight_is_read_from_the_marker() -> None:
 # -- the accounting, through real processes -------------------------------------------------
 
 
-class Worker:
-    """A training peer process (tests/train_worker.py); its lines arrive in a queue."""
-
-    def __init__(self, job: dict[str, Any]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(WORKER), json.dumps(job)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(json.loads(line))
-        self.lines.put(None)
-
-    def next(self, timeout: float) -> dict[str, Any]:
-        message = self.lines.get(timeout=timeout)
-        assert message is not None, "the worker exited"
-        return message
-
-    def go(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(b"go\n")
-        self.process.stdin.flush()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        self._reader.join()
-
-
 @pytest.mark.slow
 def test_real_peers_hold_identical_parameters_and_count_every_sample_once() -> None:
     count, batch, steps = 3, 8, 8
@@ -227,12 +185,12 @@ def test_real_peers_hold_identical_parameters_and_count_every_sample_once() -> N
         "compute_s": 0.05,
         "wait_go": True,
     }
-    workers: list[Worker] = []
+    workers: list[WorkerProcess] = []
     try:
-        workers.append(Worker({**job, "shard": 0, "initial_peers": []}))
+        workers.append(WorkerProcess({**job, "shard": 0, "initial_peers": []}))
         first = workers[0].next(START_TIMEOUT)["address"]
         for shard in range(1, count):
-            workers.append(Worker({**job, "shard": shard, "initial_peers": [first]}))
+            workers.append(WorkerProcess({**job, "shard": shard, "initial_peers": [first]}))
         for worker in workers[1:]:
             worker.next(START_TIMEOUT)  # its address: it joined
         for worker in workers:
@@ -250,7 +208,7 @@ def test_real_peers_hold_identical_parameters_and_count_every_sample_once() -> N
                 logs[index].append(message)
     finally:
         for worker in workers:
-            worker.close()
+            worker.kill()
     for log in logs:
         assert [m["step"] for m in log] == list(range(1, steps + 1))
         assert all(m["syncs"] == 0 and m["local_rounds"] == 0 for m in log)

@@ -26,9 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +55,47 @@ FAST_MATCHMAKING = MatchmakingConfig(
     round_timeout=3.0,
 )
 """Matchmaking and all-reduce timings for loopback tests."""
+
+
+class WorkerProcess:
+    """This script run as a training peer process (the tests' side); its JSON lines
+    arrive in a queue."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), json.dumps(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(json.loads(line))
+        self.lines.put(None)
+
+    def next(self, timeout: float) -> dict[str, Any]:
+        """The next line the worker printed (fails if it exited first)."""
+        message = self.lines.get(timeout=timeout)
+        assert message is not None, "the worker exited"
+        return message
+
+    def go(self) -> None:
+        """Tell a worker started with ``wait_go`` to start training."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(b"go\n")
+        self.process.stdin.flush()
+
+    def kill(self) -> None:
+        """Kill the worker if it still runs, reap it and its reader."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self._reader.join()
+
 
 FAST_PROGRESS = ProgressConfig(
     publish_interval=0.1,
