@@ -55,6 +55,7 @@ async def shake(
     stream_window: int = 1 << 20,
     expected_peer: PeerID | None = None,
     timeout: float = 5,
+    insecure_plaintext: bool = False,
 ) -> HandshakeResult:
     """perform_handshake with the defaults the tests share (1 MiB frames)."""
     return await perform_handshake(
@@ -67,6 +68,7 @@ async def shake(
         policy=policy or AdmissionPolicy(),
         expected_peer=expected_peer,
         timeout=timeout,
+        insecure_plaintext=insecure_plaintext,
     )
 
 

@@ -23,7 +23,6 @@ from p2ptrain.handshake import (
     HandshakeResult,
     Initiator,
     Responder,
-    perform_handshake,
     swarm_tag,
 )
 from p2ptrain.identity import Identity, PeerID
@@ -249,56 +248,16 @@ async def test_insecure_plaintext_needs_both_sides() -> None:
     for a_plain, b_plain in ((True, False), (False, True)):
         a, b = memory_transport_pair()
         ra, rb = await asyncio.gather(
-            perform_handshake(
-                a,
-                alice,
-                initiator=True,
-                swarm="s",
-                stream_window=1 << 20,
-                max_frame_bytes=1 << 20,
-                policy=OPEN,
-                timeout=5,
-                insecure_plaintext=a_plain,
-            ),
-            perform_handshake(
-                b,
-                bob,
-                initiator=False,
-                swarm="s",
-                stream_window=1 << 20,
-                max_frame_bytes=1 << 20,
-                policy=OPEN,
-                timeout=5,
-                insecure_plaintext=b_plain,
-            ),
+            shake(a, alice, initiator=True, insecure_plaintext=a_plain),
+            shake(b, bob, initiator=False, insecure_plaintext=b_plain),
             return_exceptions=True,
         )
         assert isinstance(rb, HandshakeError) and "--insecure-plaintext" in str(rb)
         assert isinstance(ra, HandshakeError) and "plaintext" in str(ra)
     a, b = memory_transport_pair()
     ra, rb = await asyncio.gather(
-        perform_handshake(
-            a,
-            alice,
-            initiator=True,
-            swarm="s",
-            stream_window=1 << 20,
-            max_frame_bytes=1 << 20,
-            policy=OPEN,
-            timeout=5,
-            insecure_plaintext=True,
-        ),
-        perform_handshake(
-            b,
-            bob,
-            initiator=False,
-            swarm="s",
-            stream_window=1 << 20,
-            max_frame_bytes=1 << 20,
-            policy=OPEN,
-            timeout=5,
-            insecure_plaintext=True,
-        ),
+        shake(a, alice, initiator=True, insecure_plaintext=True),
+        shake(b, bob, initiator=False, insecure_plaintext=True),
     )
     assert ra.peer_id == bob.peer_id and rb.peer_id == alice.peer_id
     assert not a.sealed and not b.sealed
