@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import ipaddress
@@ -19,7 +20,7 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from p2ptrain import __version__
 from p2ptrain.aio import run
@@ -725,6 +726,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console_main() -> NoReturn:
+    """The installed ``p2ptrain`` command: :func:`main`, then a quick exit.
+
+    The exit runs the ``atexit`` handlers and flushes the streams but skips
+    the interpreter's module teardown, which takes about a second after torch
+    has trained (so that ``train --seconds N`` ends within a second of N).
+    """
+    code = main()
+    atexit._run_exitfuncs()  # logging.shutdown and any lab's own cleanup
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    console_main()

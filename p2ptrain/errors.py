@@ -43,7 +43,8 @@ translated at the I/O edge and chained with ``raise ... from``.
     │   └── PeerDroppedError             a peer of the group failed; ``peer`` names it
     └── TrainingError                    the training layer could not do its job
         ├── StateSyncError               no peer provided a usable state
-        └── CheckpointError              a checkpoint cannot be written or read
+        ├── CheckpointError              a checkpoint cannot be written or read
+        └── TrainingStoppedError         a step reached the trainer's stop time
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ __all__ = [
     "StreamEndedError",
     "TensorFormatError",
     "TrainingError",
+    "TrainingStoppedError",
     "TransportError",
     "TransportTimeoutError",
     "UnavailableError",
@@ -311,3 +313,7 @@ class StateSyncError(TrainingError):
 
 class CheckpointError(TrainingError):
     """A checkpoint cannot be written or read."""
+
+
+class TrainingStoppedError(TrainingError):
+    """A step still waited for the swarm at the trainer's stop time; it was not applied."""

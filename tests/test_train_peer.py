@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ from p2ptrain.errors import ConfigError, LookupFailedError
 from p2ptrain.peer import Peer, PeerConfig
 from p2ptrain.train.averaging import SwarmAverager
 from p2ptrain.train.config import DiLoCoConfig, TrainerConfig
+from p2ptrain.train.optimizer import CollaborativeOptimizer
+from p2ptrain.train.progress import ProgressConfig
+from p2ptrain.train.tracker import ProgressTracker
 
 
 def test_a_peer_runs_coroutines_on_its_loop_and_closes_cleanly(tmp_path: Path) -> None:
@@ -63,6 +67,61 @@ def test_a_new_peer_probes_its_links_against_an_initial_peer() -> None:
             assert second.capacity().download_bytes_per_s > 50e6
             assert second.capacity().upload_bytes_per_s == 1e6
         assert first.throughput.download_bytes_per_s is None  # probe_bytes=None: it never probed
+
+
+def test_a_tracker_that_closes_tells_the_others_it_left() -> None:
+    """A clean exit is seen at the next read, not when the record expires (20 s)."""
+    config = ProgressConfig()
+    with Peer(PeerConfig(probe_bytes=None)) as first:
+        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_bytes=None)
+        with Peer(joined) as second:
+            trackers = [
+                ProgressTracker(
+                    dht=p.dht, run_id="leave", config=config, target_batch_size=8, address=None
+                )
+                for p in (first, second)
+            ]
+            first.run(trackers[0].start(step=3), timeout=10)
+            second.run(trackers[1].start(step=3), timeout=10)
+            assert first.run(trackers[0].refresh(), timeout=10).peers_online == 2
+            second.run(trackers[1].aclose(), timeout=10)
+            view = first.run(trackers[0].refresh(), timeout=10)
+            assert view.peers_online == 1 and view.records[0].peer_id == first.peer_id
+            first.run(trackers[0].aclose(), timeout=10)
+
+
+@pytest.mark.parametrize("policy", ["carry", "unbounded"])
+def test_a_step_waiting_for_its_group_ends_at_the_stop_time(policy: str) -> None:
+    """The group waits for a peer that never comes; stop_at() ends the wait on time."""
+    slow = MatchmakingConfig(window=8.0, poll_interval=0.05)
+    with Peer(PeerConfig(matchmaking=slow, probe_bytes=None)) as first:
+        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_bytes=None)
+        with Peer(joined) as absent:
+            # Online and at the same step, but it never matchmakes.
+            tracker = ProgressTracker(
+                dht=absent.dht,
+                run_id="stop",
+                config=ProgressConfig(),
+                target_batch_size=4,
+                address=None,
+            )
+            absent.run(tracker.start(step=0), timeout=10)
+            tracker.report(step=0, samples=0, samples_per_s=10.0, blocked=False)
+            model = torch.nn.Linear(3, 1)
+            config = TrainerConfig(run_id="stop", target_batch_size=4, step_policy=policy)
+            inner = torch.optim.SGD(model.parameters(), lr=0.1)
+            with CollaborativeOptimizer(inner, peer=first, config=config) as trainer:
+                stop = time.monotonic() + 1.0
+                trainer.stop_at(stop)
+                while time.monotonic() < stop:
+                    model(torch.ones(4, 3)).sum().backward()
+                    trainer.step(4)
+                ended = time.monotonic()
+            assert trainer.global_step == 0  # the step never formed a group: not applied
+            # Measured about 0.5 s (the grace of a running average); bounded here
+            # far below the 8 s window it would otherwise wait.
+            assert ended - stop < 3.0, f"overran the stop time by {ended - stop:.2f} s"
+            absent.run(tracker.aclose(), timeout=10)
 
 
 def test_a_peer_that_cannot_bootstrap_fails_to_start() -> None:

@@ -59,6 +59,14 @@ def test_the_global_step_is_the_highest_and_only_its_samples_count() -> None:
     assert [r.peer_id for r in swarm.records[:2]] == sorted([B, C])
 
 
+def test_peers_that_left_count_as_gone_at_once() -> None:
+    gone = PeerProgress(C, 9, 500, 50.0, NOW, left=True)
+    swarm = aggregate([rec(A, 3, 40), rec(B, 3, 10), gone], target_batch_size=100, now=NOW)
+    assert swarm.global_step == 3 and swarm.peers_online == 2
+    assert swarm.samples_per_s == 20.0 and C not in {r.peer_id for r in swarm.records}
+    assert PeerProgress.from_wire(C, gone.to_wire()) == gone
+
+
 def test_ready_when_the_target_is_reached() -> None:
     swarm = aggregate([rec(A, 1, 60), rec(B, 1, 40)], target_batch_size=100, now=NOW)
     assert swarm.ready and swarm.eta_s == 0.0
@@ -148,6 +156,7 @@ def test_records_round_trip_through_their_wire_form() -> None:
         {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "u": -5.0},
         {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "d": math.inf},
         {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "q": "x" * 100},
+        {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "x": 1},
     ],
 )
 def test_malformed_records_are_refused(value: object) -> None:

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Protocol, Self
 
 import torch
 
-from p2ptrain.errors import CheckpointError, ConfigError, StateSyncError
+from p2ptrain.errors import CheckpointError, ConfigError, StateSyncError, TrainingStoppedError
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
 from p2ptrain.train.averaging import RoundOutcome
@@ -301,6 +301,17 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         if view.global_step > self._step:
             self.sync_state()
 
+    def stop_at(self, deadline: float | None) -> None:
+        """Stop waiting for the swarm at ``deadline`` (``time.monotonic()``; ``None``: never).
+
+        Past it, ``step()`` returns at once: a step that is due, or that
+        waits for its group, is not applied (an average already running gets
+        half a second more). Set it to the moment a training loop ends (the
+        command line's ``--seconds``) so that the loop ends on time. Any
+        thread may call it.
+        """
+        self._collaboration.stop_at(deadline)
+
     def close(self) -> None:
         """Leave the run (the peer stays up); the stats remain readable."""
         if self._collab is not None:
@@ -437,7 +448,11 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
             step=self._step, samples=self._samples, blocked=blocked, num_elements=num_elements
         )
         if action is Action.STEP:
-            return self._global_step()
+            try:
+                return self._global_step()
+            except TrainingStoppedError as exc:
+                logger.info("%s", exc)
+                return False
         if action is Action.SYNC:
             return self.sync_state()
         return False

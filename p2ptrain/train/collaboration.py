@@ -36,7 +36,7 @@ import torch
 
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.grouped import GroupingConfig
-from p2ptrain.errors import ConfigError, StateSyncError
+from p2ptrain.errors import ConfigError, StateSyncError, TrainingStoppedError
 from p2ptrain.metrics import Metrics, allreduce_collector
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.peer import Peer
@@ -54,6 +54,8 @@ __all__ = ["Collaboration", "StepRecord", "SwarmSettings", "TrainerStats"]
 logger = logging.getLogger(__name__)
 
 _RUN_MARGIN = 30.0  # seconds added to the averager's own deadline before giving up on the loop
+_STOP_GRACE = 0.5  # seconds an average already running may go on past the stop time
+_STOP_POLL = 0.1  # seconds between checks of the stop time while an average runs
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,7 @@ class Collaboration:
         if metrics is not None:
             metrics.add_collector(allreduce_collector(self.round_stats))
         self._started = False
+        self._stop_at: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -279,6 +282,22 @@ class Collaboration:
 
         if self.peer.running:
             self.peer.run(end(), timeout=self.peer.config.close_timeout)
+
+    def stop_at(self, deadline: float | None) -> None:
+        """Stop waiting for the swarm at ``deadline`` (``time.monotonic()``; ``None``: never).
+
+        From then on :meth:`advance` returns CONTINUE instead of waiting,
+        stepping or syncing, and an average still running ``_STOP_GRACE``
+        seconds after it is cancelled (:meth:`end_average` raises
+        TrainingStoppedError). Any thread may call it, e.g. a signal handler.
+        """
+        self._stop_at = deadline
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the stop time (:meth:`stop_at`) has passed."""
+        stop = self._stop_at
+        return stop is not None and time.monotonic() >= stop
 
     @property
     def started(self) -> bool:
@@ -382,6 +401,8 @@ class Collaboration:
         refreshed = False
         try:
             while True:
+                if self.stopping:
+                    return Action.CONTINUE
                 view = self._tracker.view()
                 action = decide(
                     local_step=step,
@@ -411,6 +432,8 @@ class Collaboration:
                     if step_is_near(view, self.lead_time):
                         self._prepare(step, num_elements, view)
                     wait = self.progress_config.max_fetch_interval
+                    if self._stop_at is not None:
+                        wait = max(0.0, min(wait, self._stop_at - time.monotonic()))
                     self.peer.run(self._tracker.wait_for_fetch(wait), timeout=wait + _RUN_MARGIN)
                     continue
                 if action is Action.PREPARE:
@@ -472,7 +495,7 @@ class Collaboration:
                 (``None``: now); the wait counts as averaging time.
         """
         blocked = time.perf_counter() if blocked_since is None else blocked_since
-        averaged, outcome = pending.future.result(timeout=self._averager.deadline + _RUN_MARGIN)
+        averaged, outcome = self._result(pending)
         self._add(
             rounds=int(outcome.averaged),
             local_rounds=int(not outcome.averaged),
@@ -492,6 +515,24 @@ class Collaboration:
             if outcome.report is not None:
                 self.metrics.observe("p2ptrain_allreduce_seconds", outcome.allreduce_s)
         return averaged, outcome
+
+    def _result(self, pending: PendingAverage) -> tuple[torch.Tensor, RoundOutcome]:
+        """Wait for ``pending``; cancel it once the stop time plus a grace has passed."""
+        future = pending.future
+        give_up = time.monotonic() + self._averager.deadline + _RUN_MARGIN
+        while True:
+            # Short waits, so that a stop_at() from another thread is seen in time.
+            done, _ = concurrent.futures.wait([future], timeout=_STOP_POLL)
+            if done:
+                return future.result()
+            now, stop = time.monotonic(), self._stop_at
+            if stop is not None and now >= stop + _STOP_GRACE:
+                future.cancel()
+                raise TrainingStoppedError(
+                    f"step {pending.step} was still averaging at the stop time; not applied"
+                )
+            if now >= give_up:
+                return future.result(timeout=0)  # raises TimeoutError
 
     def stepped(
         self, step: int, *, samples: int = 0, step_samples: int | None = None, own: int = 0

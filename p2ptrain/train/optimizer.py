@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import ConfigError, TrainingStoppedError
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
 from p2ptrain.train.averaging import group_weight
@@ -232,7 +232,11 @@ class CollaborativeOptimizer(SwarmTrainer):
         if pending is None:  # pragma: no cover - callers check
             return False
         average, vector = pending
-        averaged, outcome = self._collaboration.end_average(average)
+        try:
+            averaged, outcome = self._collaboration.end_average(average)
+        except TrainingStoppedError as exc:
+            logger.info("%s", exc)
+            return False
         settled = self._settle(averaged, outcome)
         if settled is not None:
             self._apply(vector, settled, round(outcome.weight))

@@ -120,6 +120,8 @@ class PeerProgress:
         last_step_samples: Samples the swarm averaged in the peer's latest
             step (the all-reduce's total weight), or ``None`` if unknown.
         target: The target batch size it trains with, or ``None``.
+        left: It left the run (its last record, published as it closed): it
+            counts as gone at once instead of when the record expires.
     """
 
     peer_id: PeerID
@@ -136,6 +138,7 @@ class PeerProgress:
     closed: bool = False
     last_step_samples: int | None = None
     target: int | None = None
+    left: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the PeerID is the sub-key's owner)."""
@@ -153,6 +156,7 @@ class PeerProgress:
             "c": self.closed,
             "l": self.last_step_samples,
             "g": self.target,
+            "x": self.left,
         }
 
     @classmethod
@@ -180,9 +184,9 @@ class PeerProgress:
         if reach is not None and not (isinstance(reach, str) and len(reach) <= 32):
             raise RemoteProtocolError("progress reach must be a short string")
         upload, download = value.get("u"), value.get("d")
-        closed = value.get("c", False)
-        if not isinstance(closed, bool):
-            raise RemoteProtocolError("progress closed flag must be a bool")
+        closed, left = value.get("c", False), value.get("x", False)
+        if not isinstance(closed, bool) or not isinstance(left, bool):
+            raise RemoteProtocolError("progress closed and left flags must be bools")
         last, target = value.get("l"), value.get("g")
         return cls(
             peer_id=peer_id,
@@ -199,6 +203,7 @@ class PeerProgress:
             closed=closed,
             last_step_samples=None if last is None else _wire_int(last, "last step samples"),
             target=None if target is None else _wire_int(target, "target"),
+            left=left,
         )
 
 
@@ -310,13 +315,14 @@ def aggregate(
 
     Args:
         records: One record per peer (a later duplicate of a PeerID replaces
-            the earlier one).
+            the earlier one); records of peers that left are ignored.
         target_batch_size: Samples a step needs; ``None`` when a step waits
             for every live peer to block.
         now: The current time (Unix seconds), for the extrapolation.
     """
     by_peer = {r.peer_id: r for r in records}
-    ordered = tuple(sorted(by_peer.values(), key=lambda r: (-r.step, -r.time, r.peer_id)))
+    live = (r for r in by_peer.values() if not r.left)
+    ordered = tuple(sorted(live, key=lambda r: (-r.step, -r.time, r.peer_id)))
     if not ordered:
         return SwarmProgress(0, 0, 0, 0, 0.0, False, target_batch_size, math.inf, now, ())
     global_step = ordered[0].step

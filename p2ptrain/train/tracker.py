@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from p2ptrain.train.progress import (
 )
 
 __all__ = ["PROGRESS_SUBKEY", "ProgressTracker", "progress_key", "publish_due"]
+
+_LEAVE_TIMEOUT = 2.0  # seconds to publish the "left" record when closing
 
 logger = logging.getLogger(__name__)
 
@@ -143,12 +146,18 @@ class ProgressTracker:
         self._task = self._loop.create_task(self._run(), name=f"progress:{self.key}")
 
     async def aclose(self) -> None:
-        """Stop the background task."""
+        """Stop the background task and publish that this peer left (best effort)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            # Others stop counting this peer now, not when its record expires
+            # (a restarted swarm would otherwise wait for peers that are gone).
+            self._local = dataclasses.replace(self._local, time=self._clock(), left=True)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_LEAVE_TIMEOUT):
+                    await self._publish()
 
     # -- from the training thread -------------------------------------------------------
 
