@@ -80,7 +80,12 @@ def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_join_flags(parser: argparse.ArgumentParser) -> None:
+def _add_join_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    run_default: str | None = "charlm",
+    run_help: str = "the run (default charlm)",
+) -> None:
     parser.add_argument(
         "--join",
         action="append",
@@ -89,7 +94,7 @@ def _add_join_flags(parser: argparse.ArgumentParser) -> None:
         help="a peer of the swarm (peerid@host:port) to join through (repeatable)",
     )
     _add_tofu_flag(parser)
-    parser.add_argument("--run-id", default="charlm", help="the run (default charlm)")
+    parser.add_argument("--run-id", default=run_default, help=run_help)
 
 
 def _add_tofu_flag(parser: argparse.ArgumentParser) -> None:
@@ -206,7 +211,11 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_node_flags(train, default_port=0)
-    _add_join_flags(train)
+    _add_join_flags(
+        train,
+        run_default=None,
+        run_help="the run (default: the task's name, e.g. charlm; a run trains one model)",
+    )
     train.add_argument(
         "--target-batch-size",
         type=int,
@@ -251,6 +260,12 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_metrics_flags(train)
     train.add_argument(
         "--log-json", metavar="PATH", help="append JSON event lines to PATH ('-': stdout)"
+    )
+    train.add_argument(
+        "--log-digest",
+        action="store_true",
+        help="add a SHA-256 of the parameters to every JSON progress event "
+        "(one pass over the model each time; default off)",
     )
     train.add_argument(
         "--task",
@@ -510,10 +525,12 @@ def _run_train(args: argparse.Namespace) -> int:
         json_lines_logger,
         run_training_peer,
     )
+    from p2ptrain.task import default_run_id  # noqa: PLC0415 - imports torch
 
     config = TrainingSessionConfig(
         initial_peers=tuple(args.join),
-        run_id=args.run_id,
+        run_id=args.run_id or default_run_id(args.task),
+        log_digest=args.log_digest,
         target_batch_size=args.target_batch_size,
         step_policy=args.step_policy,
         batch_size=args.batch_size,

@@ -44,6 +44,7 @@ translated at the I/O edge and chained with ``raise ... from``.
     └── TrainingError                    the training layer could not do its job
         ├── StateSyncError               no peer provided a usable state
         ├── CheckpointError              a checkpoint cannot be written or read
+        ├── RunMismatchError             this peer's model is not its run's
         └── TrainingStoppedError         a step reached the trainer's stop time
 """
 
@@ -82,6 +83,7 @@ __all__ = [
     "RemoteInternalError",
     "RemoteProtocolError",
     "ResourceExhaustedError",
+    "RunMismatchError",
     "StateSyncError",
     "StreamEndedError",
     "TensorFormatError",
@@ -313,6 +315,10 @@ class StateSyncError(TrainingError):
 
 class CheckpointError(TrainingError):
     """A checkpoint cannot be written or read."""
+
+
+class RunMismatchError(TrainingError):
+    """This peer's model (parameter shapes and dtypes) differs from the one its run trains."""
 
 
 class TrainingStoppedError(TrainingError):

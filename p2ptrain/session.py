@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,8 @@ from p2ptrain.node.config import NodeConfig
 from p2ptrain.train.progress import PeerProgress, ProgressConfig, aggregate
 
 if TYPE_CHECKING:
+    import torch
+
     from p2ptrain.dht.api import DHT
     from p2ptrain.nat.config import NATConfig
     from p2ptrain.nat.records import PeerRecord
@@ -113,6 +116,8 @@ class TrainingSessionConfig:
             round (H); ``None`` trains with the collaborative optimizer.
         compression: Codec of the all-reduce: ``none``, ``fp16``, ``bf16``, ``int8``.
         matchmaking_window: Seconds a peer gathers a step's group.
+        log_digest: Add ``params_sha256`` (the parameters' SHA-256) to every
+            progress event and to the end event; costs one pass over the model.
     """
 
     initial_peers: tuple[str, ...]
@@ -142,6 +147,7 @@ class TrainingSessionConfig:
     diloco_inner_steps: int | None = None
     compression: str = "none"
     matchmaking_window: float = 2.0
+    log_digest: bool = False
 
     def __post_init__(self) -> None:
         owner = "TrainingSessionConfig"
@@ -309,7 +315,12 @@ def run_training_peer(
     )
     from p2ptrain.train.base import SwarmTrainer  # noqa: PLC0415
 
+    # Every peer of a run builds the model from the same random state, so that
+    # a task that does not seed its initialisation still starts each run from
+    # one set of parameters; then each peer draws its own randomness again.
+    torch.manual_seed(_seed(config.run_id))
     task = load_task(config.task)
+    torch.manual_seed(_seed(os.urandom(16).hex()))
     emit = log or (lambda event: None)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
@@ -421,6 +432,7 @@ def run_training_peer(
                                 "target_batch_size": config.target_batch_size,
                                 "step_samples": None if last_step is None else last_step.samples,
                                 "step_own_samples": None if last_step is None else last_step.own,
+                                **_digest(config, task.model),
                                 "metrics": metrics.snapshot()["metrics"],
                             }
                         )
@@ -476,6 +488,7 @@ def run_training_peer(
             **summary.__dict__,
             "announced_upload_mbit": announced.upload_bytes_per_s / _MBIT,
             "announced_download_mbit": announced.download_bytes_per_s / _MBIT,
+            **_digest(config, task.model),
         }
     )
     return summary
@@ -596,6 +609,20 @@ def _step_samples(record: PeerProgress) -> str:
     samples = "?" if record.last_step_samples is None else str(record.last_step_samples)
     target = "?" if record.target is None else str(record.target)
     return f"{samples}/{target}"
+
+
+def _seed(text: str) -> int:
+    """A 63-bit torch seed from ``text``."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def _digest(config: TrainingSessionConfig, model: torch.nn.Module) -> dict[str, str]:
+    """``{"params_sha256": ...}`` when ``config.log_digest``, else nothing."""
+    if not config.log_digest:
+        return {}
+    from p2ptrain.train.fingerprint import parameters_digest  # noqa: PLC0415 - torch
+
+    return {"params_sha256": parameters_digest(list(model.parameters()))}
 
 
 def _ago(seconds: float) -> str:

@@ -52,7 +52,7 @@ import torch
 
 from p2ptrain.errors import ConfigError
 
-__all__ = ["CHARLM", "TrainingTask", "load_task", "lr_schedule"]
+__all__ = ["CHARLM", "TrainingTask", "default_run_id", "load_task", "lr_schedule"]
 
 CHARLM = "p2ptrain.examples.charlm.task"
 """The default task: the character-level transformer of :mod:`p2ptrain.examples.charlm`
@@ -94,6 +94,16 @@ def load_task(spec: str | None = None) -> TrainingTask:
     task = make()
     _check(task, spec or CHARLM)
     return task  # type: ignore[no-any-return]
+
+
+def default_run_id(spec: str | None = None) -> str:
+    """The run a task trains in unless told otherwise: its module's name (``charlm``
+    for the default), so that another task never joins its run by accident."""
+    if spec is None or spec == CHARLM:
+        return "charlm"
+    name = Path(spec).stem if spec.endswith(".py") or "/" in spec else spec.rsplit(".", 1)[-1]
+    cleaned = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.")
+    return cleaned or "task"
 
 
 def lr_schedule(task: TrainingTask) -> Callable[[int], None]:

@@ -225,3 +225,47 @@ def test_a_stopped_swarm_resumes_from_its_checkpoints(
         first_loss = next(e["loss"] for e in progress if e["loss"] is not None)
         assert first_loss <= max(2 * last_loss, 1e-3), (first_loss, last_loss)
         assert events[-1]["global_step"] > step
+
+
+@pytest.mark.slow
+def test_one_model_per_run_through_the_command_line(
+    procs: list[ChildLines], tmp_path: Path
+) -> None:
+    """Two peers of an unseeded task start from, and step to, the same parameters;
+    a task with other parameter shapes in their run exits with a one-line error."""
+    task_file = tmp_path / "linear_task.py"
+    task_file.write_text(documented_example())  # torch.nn.Linear(8, 1): unseeded
+    other = tmp_path / "wide_task.py"
+    other.write_text(documented_example().replace("Linear(8, 1)", "Linear(8, 3)"))
+    deadline = time.monotonic() + 110
+    boot = cli_process("bootstrap", "--port", "0")
+    procs.append(boot)
+    assert "ready" in boot.next_line(deadline)
+    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+    common = ["train", "--join", address, "--seconds", "8", "--target-batch-size", "32"]
+    common += ["--batch-size", "8", "--log-json", "-", "--torch-threads", "1", "--log-digest"]
+    peers = [cli_process(*common, "--task", str(task_file)) for _ in range(2)]
+    procs.extend(peers)
+    firsts = [json.loads(peer.next_line(deadline)) for peer in peers]
+    assert all(e["event"] == "start" for e in firsts)
+    firsts = [json.loads(peer.next_line(deadline)) for peer in peers]
+    assert [e["global_step"] for e in firsts] == [0, 0]
+    assert firsts[0]["params_sha256"] == firsts[1]["params_sha256"]  # one initial state
+
+    # The run's id came from the task's name; another model in it is refused.
+    wrong = cli_process(*common, "--task", str(other), "--run-id", "linear_task")
+    procs.append(wrong)
+    assert wrong.process.wait(60) == 2
+    wrong_err = [line for line in wrong.stderr if "error" in line]
+    assert len(wrong_err) == 1 and "trains another model" in wrong_err[0], list(wrong.stderr)
+
+    digests: dict[int, set[str]] = {0: {firsts[0]["params_sha256"]}}
+    ends = []
+    for peer in peers:
+        events = _events_until_end(peer, deadline)
+        ends.append(events[-1])
+        for event in events:
+            if event["event"] == "progress":
+                digests.setdefault(event["global_step"], set()).add(event["params_sha256"])
+    assert min(end["global_step"] for end in ends) >= 2, ends
+    assert all(len(seen) == 1 for seen in digests.values()), digests  # same step, same params

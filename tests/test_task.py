@@ -11,7 +11,8 @@ import torch
 
 import p2ptrain.task
 from p2ptrain.errors import ConfigError
-from p2ptrain.task import load_task, lr_schedule
+from p2ptrain.task import default_run_id, load_task, lr_schedule
+from p2ptrain.train.fingerprint import model_digest, parameters_digest
 
 
 def documented_example() -> str:
@@ -104,3 +105,22 @@ def test_a_bad_lr_scale_is_a_clear_error(tmp_path: Path) -> None:
     path.write_text(documented_example() + "\nLinearTask.lr_scale = lambda self, step: -1.0\n")
     with pytest.raises(ConfigError, match="lr_scale"):
         lr_schedule(load_task(str(path)))(0)
+
+
+def test_the_default_run_id_is_the_tasks_name() -> None:
+    assert default_run_id() == default_run_id(p2ptrain.task.CHARLM) == "charlm"
+    assert default_run_id("/some/where/my_task.py") == "my_task"
+    assert default_run_id("pkg.tasks.vision") == "vision"
+    assert default_run_id("/x/@@@.py") == "task"
+
+
+def test_the_model_digest_tells_layouts_apart_and_the_parameters_digest_values() -> None:
+    a, b = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+    wide = torch.nn.Linear(8, 3)
+    half = torch.nn.Linear(8, 1).to(torch.float16)
+    digests = {model_digest(list(m.parameters())) for m in (a, wide, half)}
+    assert len(digests) == 3 and model_digest(list(b.parameters())) in digests
+    values = [parameters_digest(list(m.parameters())) for m in (a, b)]
+    assert values[0] != values[1]
+    b.load_state_dict(a.state_dict())
+    assert parameters_digest(list(b.parameters())) == values[0]

@@ -16,7 +16,7 @@ from p2ptrain.allreduce.bandwidth import ThroughputConfig
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.dht.node_config import DHTNodeConfig
-from p2ptrain.errors import ConfigError, LookupFailedError
+from p2ptrain.errors import ConfigError, LookupFailedError, RunMismatchError
 from p2ptrain.peer import Peer, PeerConfig
 from p2ptrain.train.averaging import SwarmAverager
 from p2ptrain.train.config import DiLoCoConfig, TrainerConfig
@@ -122,6 +122,29 @@ def test_a_step_waiting_for_its_group_ends_at_the_stop_time(policy: str) -> None
             # far below the 8 s window it would otherwise wait.
             assert ended - stop < 3.0, f"overran the stop time by {ended - stop:.2f} s"
             absent.run(tracker.aclose(), timeout=10)
+
+
+def test_a_trainer_of_another_model_refuses_to_join_a_run() -> None:
+    with Peer(PeerConfig(probe_bytes=None)) as first:
+        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_bytes=None)
+        with Peer(joined) as second:
+            config = TrainerConfig(run_id="one-model", target_batch_size=8)
+            narrow, wide = torch.nn.Linear(4, 1), torch.nn.Linear(4, 2)
+            sgd = torch.optim.SGD
+            with CollaborativeOptimizer(
+                sgd(narrow.parameters(), lr=0.1), peer=first, config=config
+            ):
+                other = CollaborativeOptimizer(
+                    sgd(wide.parameters(), lr=0.1), peer=second, config=config
+                )
+                with pytest.raises(RunMismatchError, match="trains another model"):
+                    other.start()
+                # The same model joins, and the refused peer's records are gone with it.
+                same = CollaborativeOptimizer(
+                    sgd(torch.nn.Linear(4, 1).parameters(), lr=0.1), peer=second, config=config
+                )
+                with same:
+                    assert same.swarm_progress().peers_online == 2
 
 
 def test_a_peer_that_cannot_bootstrap_fails_to_start() -> None:

@@ -65,6 +65,8 @@ def test_peers_that_left_count_as_gone_at_once() -> None:
     assert swarm.global_step == 3 and swarm.peers_online == 2
     assert swarm.samples_per_s == 20.0 and C not in {r.peer_id for r in swarm.records}
     assert PeerProgress.from_wire(C, gone.to_wire()) == gone
+    described = PeerProgress(C, 9, 5, 1.0, NOW, model="0123456789abcdef")
+    assert PeerProgress.from_wire(C, described.to_wire()) == described
 
 
 def test_ready_when_the_target_is_reached() -> None:
@@ -157,6 +159,8 @@ def test_records_round_trip_through_their_wire_form() -> None:
         {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "d": math.inf},
         {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "q": "x" * 100},
         {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "x": 1},
+        {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "m": "x" * 65},
+        {"s": 1, "n": 0, "r": 1.0, "t": 0.0, "m": 5},
     ],
 )
 def test_malformed_records_are_refused(value: object) -> None:

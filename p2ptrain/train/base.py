@@ -21,6 +21,7 @@ an argument or from ``batch_size=`` given at construction, and a closure.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -41,6 +42,7 @@ from p2ptrain.train.collaboration import (
     SwarmSettings,
     TrainerStats,
 )
+from p2ptrain.train.fingerprint import model_digest
 from p2ptrain.train.policy import Action
 from p2ptrain.train.progress import SwarmProgress
 from p2ptrain.train.state import (
@@ -293,8 +295,9 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         """
         if self._collab is not None:
             raise RuntimeError("a trainer starts once")
+        settings = dataclasses.replace(self._settings(), model=model_digest(self._params))
         collab = Collaboration(
-            peer=self.peer, settings=self._settings(), snapshot=self.snapshot, metrics=self.metrics
+            peer=self.peer, settings=settings, snapshot=self.snapshot, metrics=self.metrics
         )
         view = collab.start(self._step)
         self._collab = collab

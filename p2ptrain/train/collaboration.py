@@ -36,7 +36,12 @@ import torch
 
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.grouped import GroupingConfig
-from p2ptrain.errors import ConfigError, StateSyncError, TrainingStoppedError
+from p2ptrain.errors import (
+    ConfigError,
+    RunMismatchError,
+    StateSyncError,
+    TrainingStoppedError,
+)
 from p2ptrain.metrics import Metrics, allreduce_collector
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.peer import Peer
@@ -73,6 +78,8 @@ class SwarmSettings:
         sync_tolerance: Steps a peer may lag and still join a step.
         step_policy: How a step holds the target (:mod:`p2ptrain.train.cut`).
         grouping: When and how a step averages in groups (``None``: the defaults).
+        model: The model's digest (:func:`~p2ptrain.train.fingerprint.model_digest`);
+            ``None``: not checked.
     """
 
     run_id: str
@@ -84,6 +91,7 @@ class SwarmSettings:
     sync_tolerance: int
     step_policy: StepPolicy = StepPolicy.UNBOUNDED
     grouping: GroupingConfig | None = None
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,7 @@ class Collaboration:
             address=None if peer.client_mode else peer.address,
             reach=peer.reach,
             bandwidth=lambda: _bandwidth(peer),
+            model=settings.model,
         )
         self._server: StateServer | None = None
         self._rate = RateMeter(settings.progress.smoothing)
@@ -238,6 +247,11 @@ class Collaboration:
         Returns:
             The swarm's progress; if its global step is ahead of ``step`` the
             trainer should :meth:`sync` before computing.
+
+        Raises:
+            RunMismatchError: The run's peers train another model (other
+                parameter shapes or dtypes) and none trains this one; this
+                peer then leaves the run.
         """
         if self._started:
             raise RuntimeError("the trainer is already started")
@@ -247,6 +261,23 @@ class Collaboration:
             await self._tracker.start(step=step)
 
         self.peer.run(begin())
+        foreign = self._tracker.foreign
+        ours = [r for r in self._tracker.view().records if r.peer_id != self.peer.peer_id]
+        if foreign and ours:
+            logger.warning(
+                "run %r: ignoring %d peers that train another model (digest %s)",
+                self.settings.run_id,
+                len(foreign),
+                foreign[0].model,
+            )
+        elif foreign:
+            self._started = True
+            self.close()
+            raise RunMismatchError(
+                f"run {self.settings.run_id!r} trains another model: {len(foreign)} of its"
+                f" peers have model digest {foreign[0].model}, this peer {self.settings.model}"
+                " (another task? give it its own --run-id)"
+            )
         self._started = True
         view = self._tracker.view()
         self._fresh = view.global_step > step

@@ -122,6 +122,9 @@ class PeerProgress:
         target: The target batch size it trains with, or ``None``.
         left: It left the run (its last record, published as it closed): it
             counts as gone at once instead of when the record expires.
+        model: A digest of its model's parameter names, shapes and dtypes
+            (:func:`~p2ptrain.train.state.model_digest`), or ``None`` if it did
+            not say; peers of one run must agree on it.
     """
 
     peer_id: PeerID
@@ -139,6 +142,7 @@ class PeerProgress:
     last_step_samples: int | None = None
     target: int | None = None
     left: bool = False
+    model: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the PeerID is the sub-key's owner)."""
@@ -157,6 +161,7 @@ class PeerProgress:
             "l": self.last_step_samples,
             "g": self.target,
             "x": self.left,
+            "m": self.model,
         }
 
     @classmethod
@@ -188,6 +193,9 @@ class PeerProgress:
         if not isinstance(closed, bool) or not isinstance(left, bool):
             raise RemoteProtocolError("progress closed and left flags must be bools")
         last, target = value.get("l"), value.get("g")
+        model = value.get("m")
+        if model is not None and not (isinstance(model, str) and len(model) <= 64):
+            raise RemoteProtocolError("progress model digest must be a short string")
         return cls(
             peer_id=peer_id,
             step=_wire_int(value.get("s"), "step"),
@@ -204,6 +212,7 @@ class PeerProgress:
             last_step_samples=None if last is None else _wire_int(last, "last step samples"),
             target=None if target is None else _wire_int(target, "target"),
             left=left,
+            model=model,
         )
 
 

@@ -96,6 +96,8 @@ class ProgressTracker:
         bandwidth: Returns this peer's (upload, download) bytes per second as
             the load balancer sees them; read at each report.
         clock: Unix time; records carry it.
+        model: This peer's model digest (:attr:`PeerProgress.model`); records
+            with another digest are left out of the view (see :attr:`foreign`).
     """
 
     def __init__(
@@ -109,11 +111,14 @@ class ProgressTracker:
         reach: str | None = None,
         bandwidth: Callable[[], tuple[float, float]] | None = None,
         clock: Callable[[], float] = time.time,
+        model: str | None = None,
     ) -> None:
         self.dht = dht
         self.key = progress_key(run_id)
         self.config = config
         self.target_batch_size = target_batch_size
+        self.model = model
+        self.foreign: tuple[PeerProgress, ...] = ()
         self._clock = clock
         self._subkey = dht.owned_key(PROGRESS_SUBKEY)
         self._address = address
@@ -210,6 +215,7 @@ class ProgressTracker:
             closed=closed,
             last_step_samples=self.last_step_samples,
             target=self.target_batch_size,
+            model=self.model,
         )
 
     def set_waiting(self, waiting: bool) -> None:
@@ -348,7 +354,11 @@ class ProgressTracker:
                     )
                 except (RemoteProtocolError, IdentityError) as exc:
                     logger.debug("ignoring a progress record: %s", exc)
-            self._remote = tuple(records)
+            # Records of another model are not this run's peers (a task that
+            # joined the wrong run): they are kept apart, never counted.
+            model = self.model
+            self._remote = tuple(r for r in records if model is None or r.model in (None, model))
+            self.foreign = tuple(r for r in records if not r.left and r not in self._remote)
             self._fetch_started = started
         delay = next_fetch_delay(self.view(), self.config, waiting=self._waiting)
         self._fetched_at = loop.time()
