@@ -27,7 +27,7 @@ from p2ptrain.aio import run
 from p2ptrain.errors import ConfigError, P2PTrainError
 from p2ptrain.handshake import AdmissionPolicy
 from p2ptrain.identity import Identity
-from p2ptrain.node.address import PeerAddress
+from p2ptrain.node.address import PeerAddress, is_loopback_host
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.swarm_key import generate_swarm_key, read_swarm_key, write_swarm_key
 
@@ -415,18 +415,9 @@ def _positive_flag(flag: str, value: float) -> float:
     return value
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _train_nat_config(args: argparse.Namespace) -> NATConfig | None:
     """``--nat``, ``--stun``, ``--turn`` as a NATConfig, or None for plain TCP."""
-    mode = args.nat or ("off" if _is_loopback(args.host) else "auto")
+    mode = args.nat or ("off" if is_loopback_host(args.host) else "auto")
     if mode == "off":
         if args.stun or args.turn:
             raise ConfigError("--stun and --turn need NAT traversal (--nat auto|public|private)")

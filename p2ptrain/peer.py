@@ -40,7 +40,7 @@ import math
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from p2ptrain.aio import LoopThread
 from p2ptrain.allreduce.bandwidth import ThroughputConfig, ThroughputMeter
@@ -54,7 +54,7 @@ from p2ptrain.identity import Identity, PeerID
 from p2ptrain.measure.estimates import EstimatorConfig, LinkEstimator, StreamTiming
 from p2ptrain.measure.latency import known_rtts
 from p2ptrain.measure.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, probe_peers
-from p2ptrain.node.address import PeerAddress
+from p2ptrain.node.address import PeerAddress, is_loopback_host
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 
@@ -99,7 +99,9 @@ class PeerConfig:
         close_timeout: Seconds :meth:`Peer.close` waits for a clean shutdown.
         use_uvloop: Run the loop on uvloop (default: when installed).
         nat: NAT traversal (reachability, rendezvous, hole punching, WebRTC,
-            relays), or ``None`` to dial plain TCP only (LAN, loopback).
+            relays): ``"auto"`` (the default, as ``p2ptrain train``) is
+            ``NATConfig()`` unless the node listens on a loopback address;
+            ``None`` dials plain TCP only (LAN, loopback).
     """
 
     node: NodeConfig = field(default_factory=NodeConfig)
@@ -113,7 +115,7 @@ class PeerConfig:
     close_timeout: float = 10.0
     use_uvloop: bool | None = None
     probe_bytes: int | None = DEFAULT_PROBE_BYTES
-    nat: NATConfig | None = None
+    nat: NATConfig | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         checks = (
@@ -138,11 +140,21 @@ class PeerConfig:
             or not 0 < probe <= MAX_PROBE_BYTES
         ):
             raise ConfigError(f"PeerConfig.probe_bytes must be None or in (0, {MAX_PROBE_BYTES}]")
-        if self.nat is not None:
+        if self.nat is not None and self.nat != "auto":
             from p2ptrain.nat.config import NATConfig  # noqa: PLC0415 - see TYPE_CHECKING
 
             if not isinstance(self.nat, NATConfig):
-                raise ConfigError("PeerConfig.nat must be a NATConfig or None")
+                raise ConfigError("PeerConfig.nat must be a NATConfig, 'auto' or None")
+
+    def nat_config(self) -> NATConfig | None:
+        """The NAT traversal this peer runs (``"auto"`` resolved), or ``None``."""
+        if self.nat != "auto":
+            return self.nat
+        if is_loopback_host(self.node.host):
+            return None
+        from p2ptrain.nat.config import NATConfig  # noqa: PLC0415 - see TYPE_CHECKING
+
+        return NATConfig()
 
 
 class Peer:
@@ -232,7 +244,7 @@ class Peer:
             self._state = "closed"
 
     async def _astart(self) -> None:
-        nat = self.config.nat
+        nat = self.config.nat_config()
         node_config = self.config.node
         if nat is not None and nat.holepunch and not node_config.reuse_port:
             node_config = dataclasses.replace(node_config, reuse_port=True)

@@ -17,6 +17,7 @@ from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError, LookupFailedError, RunMismatchError
+from p2ptrain.node.config import NodeConfig
 from p2ptrain.peer import Peer, PeerConfig
 from p2ptrain.train.averaging import SwarmAverager
 from p2ptrain.train.config import DiLoCoConfig, TrainerConfig
@@ -145,6 +146,19 @@ def test_a_trainer_of_another_model_refuses_to_join_a_run() -> None:
                 )
                 with same:
                     assert same.swarm_progress().peers_online == 2
+
+
+def test_the_peer_traverses_nats_by_default_like_the_command_line() -> None:
+    from p2ptrain.nat.config import NATConfig
+
+    assert PeerConfig().nat == "auto" and PeerConfig().nat_config() is None  # 127.0.0.1
+    public = PeerConfig(node=NodeConfig(host="0.0.0.0"))
+    assert public.nat_config() == NATConfig()
+    assert PeerConfig(node=NodeConfig(host="0.0.0.0"), nat=None).nat_config() is None
+    explicit = NATConfig(dialback_timeout=1.5)
+    assert PeerConfig(nat=explicit).nat_config() is explicit
+    with pytest.raises(ConfigError, match="NATConfig, 'auto' or None"):
+        PeerConfig(nat="on")  # type: ignore[arg-type]
 
 
 def test_a_peer_that_cannot_bootstrap_fails_to_start() -> None:

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import functools
+import ipaddress
 from dataclasses import dataclass
 
 from p2ptrain.errors import ConfigError, IdentityError
 from p2ptrain.identity import PeerID
 
-__all__ = ["PeerAddress"]
+__all__ = ["PeerAddress", "is_loopback_host"]
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (``localhost`` or an IP literal) is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
