@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from p2ptrain.allreduce.group import GroupMember, GroupPlan
 from p2ptrain.allreduce.grouped import (
     GroupingConfig,
     _gather_plan,
+    _slice_contributors,
     group_count,
     group_index,
     slice_bounds,
     slice_edges,
 )
+from p2ptrain.allreduce.report import AllReduceReport, ShardReport
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import Identity
 from p2ptrain.node.address import PeerAddress
@@ -63,6 +67,24 @@ def test_the_gather_plan_gives_each_member_its_slices_under_a_new_round_id() -> 
         (bounds[edges[i]], bounds[edges[i + 1]]) for i in range(4)
     ]
     assert gather.digest == _gather_plan(plan, edges, bounds).digest  # every member agrees
+
+
+def test_a_slice_joins_its_column_only_if_one_set_of_members_averaged_all_of_it() -> None:
+    """After a partial group round a slice may mix averaged and local values, or
+    averages over different members: it must not join a column with the group's weight."""
+    plan = dataclasses.replace(_plan([0.5, 0.5], num_elements=8), chunk_elements=2)
+    shards = (
+        ShardReport(0, 0, 4, ((0, 1), (0, 1)), {}, None),
+        ShardReport(1, 4, 8, ((0,), None), {}, None),  # reducer 1 lost member 1, then failed
+    )
+    report = AllReduceReport(
+        b"r", tuple(m.peer_id for m in plan.members), 0, 1.0, shards, {}, 0, 0, 0, 0, 0, 0, 0, None
+    )
+    assert _slice_contributors(plan, report, 0, 4) == (0, 1)
+    assert _slice_contributors(plan, report, 1, 3) == (0, 1)
+    assert _slice_contributors(plan, report, 2, 5) is None  # (0, 1) and (0,)
+    assert _slice_contributors(plan, report, 4, 6) == (0,)
+    assert _slice_contributors(plan, report, 5, 8) is None  # a chunk kept local values
 
 
 def test_grouping_config_rejects_bad_values() -> None:

@@ -264,13 +264,21 @@ class GroupedAverager:
         else:  # take part in the columns without weight: receive the others' average
             failures.append("group: incomplete")
             total, average, counted = 0.0, vector.clone(), ()
-        # 2b. one all-reduce per covered slice, weighted by the group's weight.
+        # 2b. one all-reduce per covered slice, weighted by the group's weight,
+        # but only where this slice's average holds exactly the members the
+        # weight counts: after a partial group round, members see different
+        # parts averaged, and a slice paired with the wrong weight would
+        # corrupt the column's result for every group.
         for s, task in columns.items():
             lo, hi = bounds[s], bounds[s + 1]
+            slice_weight = total
+            if total > 0 and _slice_contributors(plan, group_report, lo, hi) != contributors:
+                slice_weight = 0.0
+                failures.append(f"column {s}: the group's average of the slice is partial")
             try:
                 column_plan = await task
                 values, report = await self.service.allreduce(
-                    column_plan, average[lo:hi].contiguous(), total, config=config
+                    column_plan, average[lo:hi].contiguous(), slice_weight, config=config
                 )
             except P2PTrainError as exc:
                 logger.info("column %d of %s failed: %s", s, key, exc)
@@ -346,6 +354,27 @@ def _contributors_of(plan: GroupPlan, report: AllReduceReport, element: int) -> 
             found = shard.chunk_contributors[(element - shard.start) // plan.chunk_elements]
             return found or ()
     return ()
+
+
+def _slice_contributors(
+    plan: GroupPlan, report: AllReduceReport, lo: int, hi: int
+) -> tuple[int, ...] | None:
+    """The members in the average of every element of ``[lo, hi)``, if the same for all.
+
+    ``None`` when some chunk there kept local values or chunks differ.
+    """
+    found: set[tuple[int, ...]] = set()
+    step = plan.chunk_elements
+    for shard in report.shards:
+        if shard.stop <= lo or shard.start >= hi:
+            continue
+        first = (max(lo, shard.start) - shard.start) // step
+        last = (min(hi, shard.stop) - 1 - shard.start) // step
+        for chunk in shard.chunk_contributors[first : last + 1]:
+            if not chunk:
+                return None
+            found.add(chunk)
+    return found.pop() if len(found) == 1 else None
 
 
 def _counted(plan: GroupPlan, report: AllReduceReport) -> tuple[PeerID, ...]:
