@@ -402,8 +402,8 @@ def run_training_peer(
                 started = time.monotonic()
                 next_save = started + config.checkpoint_interval
                 deadline = math.inf if config.seconds is None else started + config.seconds
-                if config.seconds is not None:
-                    trainer.stop_at(deadline)  # a step waiting for its group ends on time too
+                # A step waiting for its group ends on time too (or on stop).
+                trainer.stop_at(None if config.seconds is None else deadline, event=stop)
                 next_log = started
                 window_start, window_samples, rate = started, 0, 0.0
                 while (now := time.monotonic()) < deadline and not (stop and stop.is_set()):

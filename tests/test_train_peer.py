@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,12 @@ def test_a_tracker_that_closes_tells_the_others_it_left() -> None:
             first.run(trackers[0].aclose(), timeout=10)
 
 
-@pytest.mark.parametrize("policy", ["carry", "unbounded"])
-def test_a_step_waiting_for_its_group_ends_at_the_stop_time(policy: str) -> None:
-    """The group waits for a peer that never comes; stop_at() ends the wait on time."""
+@pytest.mark.parametrize(
+    ("policy", "by_event"), [("carry", False), ("unbounded", False), ("carry", True)]
+)
+def test_a_step_waiting_for_its_group_ends_at_the_stop_time(policy: str, by_event: bool) -> None:
+    """The group waits for a peer that never comes; stop_at() ends the wait on time
+    (at its deadline, or when its event is set from another thread)."""
     slow = MatchmakingConfig(window=8.0, poll_interval=0.05)
     with Peer(PeerConfig(matchmaking=slow, probe_bytes=None)) as first:
         joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_bytes=None)
@@ -113,8 +117,13 @@ def test_a_step_waiting_for_its_group_ends_at_the_stop_time(policy: str) -> None
             inner = torch.optim.SGD(model.parameters(), lr=0.1)
             with CollaborativeOptimizer(inner, peer=first, config=config) as trainer:
                 stop = time.monotonic() + 1.0
-                trainer.stop_at(stop)
-                while time.monotonic() < stop:
+                event = threading.Event()
+                if by_event:
+                    trainer.stop_at(None, event=event)
+                    threading.Timer(1.0, event.set).start()
+                else:
+                    trainer.stop_at(stop)
+                while time.monotonic() < stop and not event.is_set():
                     model(torch.ones(4, 3)).sum().backward()
                     trainer.step(4)
                 ended = time.monotonic()

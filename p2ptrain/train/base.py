@@ -304,8 +304,9 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         if view.global_step > self._step:
             self.sync_state()
 
-    def stop_at(self, deadline: float | None) -> None:
-        """Stop waiting for the swarm at ``deadline`` (``time.monotonic()``; ``None``: never).
+    def stop_at(self, deadline: float | None, *, event: threading.Event | None = None) -> None:
+        """Stop waiting for the swarm at ``deadline`` (``time.monotonic()``; ``None``:
+        never) or once ``event`` is set (e.g. by a signal handler).
 
         Past it, ``step()`` returns at once: a step that is due, or that
         waits for its group, is not applied (an average already running gets
@@ -313,7 +314,7 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         command line's ``--seconds``) so that the loop ends on time. Any
         thread may call it.
         """
-        self._collaboration.stop_at(deadline)
+        self._collaboration.stop_at(deadline, event=event)
 
     def close(self) -> None:
         """Leave the run (the peer stays up); the stats remain readable."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -238,6 +239,8 @@ class Collaboration:
             metrics.add_collector(allreduce_collector(self.round_stats))
         self._started = False
         self._stop_at: float | None = None
+        self._stop_event: threading.Event | None = None
+        self._stop_seen: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -314,20 +317,34 @@ class Collaboration:
         if self.peer.running:
             self.peer.run(end(), timeout=self.peer.config.close_timeout)
 
-    def stop_at(self, deadline: float | None) -> None:
-        """Stop waiting for the swarm at ``deadline`` (``time.monotonic()``; ``None``: never).
+    def stop_at(self, deadline: float | None, *, event: threading.Event | None = None) -> None:
+        """Stop waiting for the swarm at ``deadline`` (``time.monotonic()``; ``None``:
+        never) or once ``event`` is set, whichever comes first.
 
         From then on :meth:`advance` returns CONTINUE instead of waiting,
         stepping or syncing, and an average still running ``_STOP_GRACE``
         seconds after it is cancelled (:meth:`end_average` raises
-        TrainingStoppedError). Any thread may call it, e.g. a signal handler.
+        TrainingStoppedError). Any thread may call it or set the event, e.g.
+        a signal handler.
         """
         self._stop_at = deadline
+        self._stop_event = event
+        self._stop_seen = None
+
+    def _stop_time(self) -> float | None:
+        """The stop time (``time.monotonic()``), or ``None`` while there is none."""
+        event = self._stop_event
+        if event is not None and event.is_set():
+            if self._stop_seen is None:
+                self._stop_seen = time.monotonic()
+            if self._stop_at is None or self._stop_seen < self._stop_at:
+                return self._stop_seen
+        return self._stop_at
 
     @property
     def stopping(self) -> bool:
         """Whether the stop time (:meth:`stop_at`) has passed."""
-        stop = self._stop_at
+        stop = self._stop_time()
         return stop is not None and time.monotonic() >= stop
 
     @property
@@ -463,8 +480,8 @@ class Collaboration:
                     if step_is_near(view, self.lead_time):
                         self._prepare(step, num_elements, view)
                     wait = self.progress_config.max_fetch_interval
-                    if self._stop_at is not None:
-                        wait = max(0.0, min(wait, self._stop_at - time.monotonic()))
+                    if (stop := self._stop_time()) is not None:
+                        wait = max(0.0, min(wait, stop - time.monotonic()))
                     self.peer.run(self._tracker.wait_for_fetch(wait), timeout=wait + _RUN_MARGIN)
                     continue
                 if action is Action.PREPARE:
@@ -556,7 +573,7 @@ class Collaboration:
             done, _ = concurrent.futures.wait([future], timeout=_STOP_POLL)
             if done:
                 return future.result()
-            now, stop = time.monotonic(), self._stop_at
+            now, stop = time.monotonic(), self._stop_time()
             if stop is not None and now >= stop + _STOP_GRACE:
                 future.cancel()
                 raise TrainingStoppedError(
