@@ -246,6 +246,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--diloco", type=int, metavar="H", help="train with DiLoCo, H inner steps per round"
     )
     train.add_argument(
+        "--diloco-overlap",
+        action="store_true",
+        help="with --diloco: average each round while the next one runs, and apply it one "
+        "round late with half the outer learning rate (0.35; default off)",
+    )
+    train.add_argument(
         "--compression",
         choices=("none", "fp16", "bf16", "int8"),
         default="none",
@@ -539,6 +545,7 @@ def _run_train(args: argparse.Namespace) -> int:
         checkpoint_path=args.checkpoint,
         checkpoint_interval=args.checkpoint_every,
         diloco_inner_steps=args.diloco,
+        diloco_overlap=args.diloco_overlap,
         compression=args.compression,
         matchmaking_window=args.matchmaking_window,
     )

@@ -55,6 +55,7 @@ _NUM_SHARDS = 2**40
 """Shards of the data; a peer's is its whole PeerID digest modulo this, so two
 of even a thousand peers share one with probability below 10**-6."""
 _MBIT = 1e6 / 8
+_OVERLAP_OUTER_LR = 0.35  # DiLoCo outer lr with overlapped rounds (docs/training.md)
 
 
 def _number(owner: str, name: str, value: object, *, low: float, allow_none: bool) -> None:
@@ -114,6 +115,9 @@ class TrainingSessionConfig:
         checkpoint_interval: Seconds between two checkpoints.
         diloco_inner_steps: Train with DiLoCo, this many inner steps per
             round (H); ``None`` trains with the collaborative optimizer.
+        diloco_overlap: DiLoCo rounds overlap (``DiLoCoConfig.overlap``), with
+            half the default outer learning rate (measured to train as well as
+            synchronous rounds, where the default overshoots).
         compression: Codec of the all-reduce: ``none``, ``fp16``, ``bf16``, ``int8``.
         matchmaking_window: Seconds a peer gathers a step's group.
         log_digest: Add ``params_sha256`` (the parameters' SHA-256) to every
@@ -145,6 +149,7 @@ class TrainingSessionConfig:
     checkpoint_path: str | None = None
     checkpoint_interval: float = 60.0
     diloco_inner_steps: int | None = None
+    diloco_overlap: bool = False
     compression: str = "none"
     matchmaking_window: float = 2.0
     log_digest: bool = False
@@ -173,6 +178,10 @@ class TrainingSessionConfig:
             raise ConfigError(f"{owner}.task must be a module name or a .py path")
         _integer(owner, "torch_threads", self.torch_threads, low=1, allow_none=True)
         _integer(owner, "diloco_inner_steps", self.diloco_inner_steps, low=1, allow_none=True)
+        if not isinstance(self.diloco_overlap, bool):
+            raise ConfigError(f"{owner}.diloco_overlap must be a bool")
+        if self.diloco_overlap and self.diloco_inner_steps is None:
+            raise ConfigError(f"{owner}.diloco_overlap needs diloco_inner_steps (--diloco H)")
         _number(owner, "checkpoint_interval", self.checkpoint_interval, low=0.0, allow_none=False)
         _number(owner, "matchmaking_window", self.matchmaking_window, low=0.0, allow_none=False)
         if self.compression not in ("none", "fp16", "bf16", "int8"):
@@ -377,6 +386,8 @@ def run_training_peer(
             diloco = DiLoCoConfig(
                 run_id=config.run_id,
                 inner_steps=config.diloco_inner_steps,
+                overlap=config.diloco_overlap,
+                outer_lr=_OVERLAP_OUTER_LR if config.diloco_overlap else DiLoCoConfig.outer_lr,
                 allreduce=codec,
                 progress=config.progress,
             )

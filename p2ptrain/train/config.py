@@ -147,6 +147,10 @@ class DiLoCoConfig:
             the bytes again).
         progress: How often progress is published and read.
         state: How training state is served and downloaded.
+        overlap: Average each round's pseudo-gradient in the background while
+            the next round's inner steps run, and apply the outer step when it
+            arrives (one outer step of delay, see
+            :mod:`p2ptrain.train.diloco`); ``False`` waits for it.
     """
 
     run_id: str
@@ -160,6 +164,7 @@ class DiLoCoConfig:
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     state: StateSyncConfig = field(default_factory=StateSyncConfig)
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         _check_run_id("DiLoCoConfig", self.run_id)
@@ -174,6 +179,8 @@ class DiLoCoConfig:
             raise ConfigError("DiLoCoConfig.outer_lr must be positive")
         if not isinstance(self.nesterov, bool):
             raise ConfigError("DiLoCoConfig.nesterov must be a bool")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError("DiLoCoConfig.overlap must be a bool")
         if self.nesterov and self.outer_momentum == 0:
             raise ConfigError("DiLoCoConfig.nesterov needs a positive outer_momentum")
         if self.target_batch_size is not None:

@@ -15,21 +15,31 @@ finish early wait), or, with ``target_batch_size``, when the swarm processed
 that many samples in the round. The state served to late joiners is the
 start-of-round parameters with the inner and outer optimizer states, and the
 round counter as the global step.
+
+With ``DiLoCoConfig(overlap=True)`` a round's average runs in the background
+while the next round's inner steps run from the local parameters
+``θ_end`` (one outer step of delay): when the average arrives the peer
+applies the outer step to ``θ_start`` as above, giving the swarm's new
+start ``θ'``, and moves its parameters to ``θ' + (θ_now − θ_end)``, keeping
+the progress made meanwhile. Every peer's round start is ``θ'`` again, so
+the next pseudo-gradient is measured from the same point everywhere. A peer
+that finishes its next inner steps before the average arrives waits for it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import ConfigError, TrainingStoppedError
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
 from p2ptrain.train.base import SwarmTrainer, check_params, load_optimizer_state
-from p2ptrain.train.collaboration import SwarmSettings
+from p2ptrain.train.collaboration import PendingAverage, SwarmSettings
 from p2ptrain.train.config import DiLoCoConfig
 from p2ptrain.train.staging import HostStaging, parameters_device
 from p2ptrain.train.state import TrainingSnapshot
@@ -79,6 +89,7 @@ class DiLoCoOptimizer(SwarmTrainer):
         self._inner_done = 0
         self._numel = sum(p.numel() for p in self._params)
         self._staging = HostStaging(self._numel, parameters_device(self._params))
+        self._pending: _PendingRound | None = None
 
     @property
     def inner_steps_done(self) -> int:
@@ -105,7 +116,20 @@ class DiLoCoOptimizer(SwarmTrainer):
         self._inner_done += 1
         self._samples += batch_size
         collab.record_batch(batch_size)
+        if self._pending is not None:  # the last round averages in the background
+            if not self._pending.average.future.done() and not self._blocked:
+                return False
+            changed = self._finish_round()
+            if not self._blocked:
+                return changed
+            return self._advance(self._numel) or changed
         return self._advance(self._numel)
+
+    def close(self) -> None:
+        """Apply a round still averaging in the background, then leave the run."""
+        if self._pending is not None and self._collab is not None and self._collab.started:
+            self._finish_round()
+        super().close()
 
     @property
     def _blocked(self) -> bool:
@@ -135,6 +159,17 @@ class DiLoCoOptimizer(SwarmTrainer):
         samples = self._samples
         vector = self._pseudo_gradient() if samples > 0 else torch.zeros(self._numel)
         vector = self._staging.to_host(vector)
+        collab = self._collaboration
+        if self.config.overlap and collab.expects_group(self._step):
+            average = collab.begin_average(self._step, vector, float(samples))
+            with torch.no_grad():
+                round_start = [start.clone() for start in self._start]
+                for start, p in zip(self._start, self._params, strict=True):
+                    start.copy_(p)  # θ_end: the next round runs from here meanwhile
+            self._pending = _PendingRound(average, vector, samples, round_start)
+            self._inner_done = 0
+            self._samples = 0
+            return False
         averaged = self._average(vector, float(samples))
         if averaged is None:  # the swarm's state was downloaded instead
             return True
@@ -158,10 +193,46 @@ class DiLoCoOptimizer(SwarmTrainer):
         self._stepped(own=samples)
         return True
 
+    def _finish_round(self) -> bool:
+        """Apply the round averaged in the background (waits for it if needed)."""
+        pending, self._pending = self._pending, None
+        if pending is None:  # pragma: no cover - callers check
+            return False
+        try:
+            averaged, outcome = self._collaboration.end_average(pending.average)
+        except TrainingStoppedError as exc:
+            logger.info("%s", exc)
+            return False
+        settled = self._settle(averaged, outcome)
+        if settled is None:  # the swarm's state was downloaded instead
+            return True
+        apply = settled is not pending.vector or pending.samples > 0
+        with self._lock, torch.no_grad():
+            progress = [p - end for p, end in zip(self._params, self._start, strict=True)]
+            offset = 0
+            for p, start in zip(self._params, pending.round_start, strict=True):
+                p.copy_(start)
+                delta = settled[offset : offset + p.numel()].view(p.shape)
+                p.grad = self._staging.to_device(delta, p)
+                offset += p.numel()
+            if apply:
+                self.outer_optimizer.step()
+            else:
+                logger.warning("round %d: nothing to apply (no samples, no group)", self._step)
+            for p, start, moved in zip(self._params, self._start, progress, strict=True):
+                p.grad = None
+                start.copy_(p)  # θ': the swarm's new start
+                p.add_(moved)
+            self._step += 1
+        self._stepped(carried=self._samples, own=pending.samples)
+        return True
+
     def _capture(self) -> dict[str, Any]:
+        pending = self._pending
         return {
             "kind": self.kind,
-            "params": list(self._start),
+            # the swarm's start of the current global step, not this peer's θ_end
+            "params": list(self._start if pending is None else pending.round_start),
             "inner": self.optimizer.state_dict(),
             "outer": self.outer_optimizer.state_dict(),
         }
@@ -177,3 +248,20 @@ class DiLoCoOptimizer(SwarmTrainer):
                 start.copy_(value)
                 p.grad = None
         self._inner_done = 0
+
+
+@dataclass(frozen=True)
+class _PendingRound:
+    """A round averaging in the background (``DiLoCoConfig.overlap``).
+
+    Attributes:
+        average: The all-reduce on the peer's loop.
+        vector: The pseudo-gradient averaged (unchanged until it ends).
+        samples: This peer's samples in the round.
+        round_start: The round's start ``θ_start`` (the swarm's, the same on every peer).
+    """
+
+    average: PendingAverage
+    vector: torch.Tensor
+    samples: int
+    round_start: list[torch.Tensor]
