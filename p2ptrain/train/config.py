@@ -89,6 +89,8 @@ class TrainerConfig:
         state: How training state is served and downloaded.
         grouping: Above which swarm size a step averages in groups
             (:mod:`p2ptrain.allreduce.grouped`), and how.
+        error_feedback: With a lossy codec, add the rounding error of each
+            step's gradient to the next one (:mod:`p2ptrain.train.feedback`).
     """
 
     run_id: str
@@ -101,9 +103,12 @@ class TrainerConfig:
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     state: StateSyncConfig = field(default_factory=StateSyncConfig)
     grouping: GroupingConfig = field(default_factory=GroupingConfig)
+    error_feedback: bool = True
 
     def __post_init__(self) -> None:
         _check_run_id("TrainerConfig", self.run_id)
+        if not isinstance(self.error_feedback, bool):
+            raise ConfigError("TrainerConfig.error_feedback must be a bool")
         if self.step_policy not in STEP_POLICIES:
             raise ConfigError(
                 f"TrainerConfig.step_policy must be one of {list(STEP_POLICIES)}, "

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from p2ptrain.allreduce.compression import get_codec
 from p2ptrain.errors import ConfigError, TrainingStoppedError
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
@@ -52,6 +53,7 @@ from p2ptrain.train.base import (
 from p2ptrain.train.collaboration import PendingAverage, SwarmSettings
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.cut import StepPolicy
+from p2ptrain.train.feedback import ErrorFeedback
 from p2ptrain.train.staging import HostStaging, parameters_device
 from p2ptrain.train.state import TrainingSnapshot
 
@@ -105,6 +107,12 @@ class CollaborativeOptimizer(SwarmTrainer):
         self._carry_views: list[torch.Tensor] = []
         self._carried = 0
         self._pending: tuple[PendingAverage, torch.Tensor] | None = None
+        codec = config.allreduce
+        self._feedback = (
+            ErrorFeedback(get_codec(codec.codec, block_size=codec.block_size), self._numel)
+            if config.error_feedback and codec.codec != "none"
+            else None
+        )
         # A per-peer bound makes each step exact by itself: no step cut on top of it.
         self._policy = (
             StepPolicy.UNBOUNDED
@@ -215,6 +223,8 @@ class CollaborativeOptimizer(SwarmTrainer):
         self._accumulator[-1] = 1.0  # becomes 1 / samples: the count marker
         vector = self._accumulator / max(samples, 1)  # all zeros when there are no samples
         vector = self._staging.to_host(vector)
+        if self._feedback is not None:
+            self._feedback.compensate(vector[:-1])  # not the count marker
         if self._policy is StepPolicy.CARRY and self._collaboration.expects_group(self._step):
             # Average in the background; batches computed meanwhile count toward
             # the next step, and the update is applied at the first step() after.
@@ -292,4 +302,6 @@ class CollaborativeOptimizer(SwarmTrainer):
             self._carry.zero_()
         self._carried = 0
         self._pending = None
+        if self._feedback is not None:
+            self._feedback.reset()
         self.zero_grad()
