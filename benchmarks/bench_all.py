@@ -47,7 +47,7 @@ from benchmarks._common import DefaultsHelpFormatter, emit_json, find_hivemind, 
 from p2ptrain.testing.natlab_netns import lab_unavailable
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("transport", "dht", "allreduce", "lp", "training", "webrtc")
+BENCHMARKS = ("transport", "dht", "allreduce", "lp", "training", "compression", "webrtc")
 """Every benchmark, in the order they run (transport's table opens the report)."""
 TIMEOUT_S = 3600.0
 """Seconds one benchmark may take before it is stopped."""
@@ -59,6 +59,7 @@ QUICK_ARGS: dict[str, str] = {
     "allreduce": "--sizes 1 --repeats 1 --peers 2 --hetero-mb 1",
     "lp": "--sizes 8 --resolves 2",
     "training": "--peers 2 --steps 2 --rounds 1 --inner-steps 2 --single-batches 4",
+    "compression": "--steps 2 --eval-windows 8",
     "webrtc": "--seconds 1 --loss-seconds 2 --repeats 1",
 }
 """Workloads of ``--quick``: a smoke test of the report, not a measurement."""
