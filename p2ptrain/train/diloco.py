@@ -173,25 +173,31 @@ class DiLoCoOptimizer(SwarmTrainer):
         averaged = self._average(vector, float(samples))
         if averaged is None:  # the swarm's state was downloaded instead
             return True
-        apply = averaged is not vector or samples > 0
         with self._lock, torch.no_grad():
-            offset = 0
+            self._outer_step(averaged, self._start, apply=averaged is not vector or samples > 0)
             for p, start in zip(self._params, self._start, strict=True):
-                p.copy_(start)
-                delta = averaged[offset : offset + p.numel()].view(p.shape)
-                p.grad = self._staging.to_device(delta, p)
-                offset += p.numel()
-            if apply:
-                self.outer_optimizer.step()
-            else:
-                logger.warning("round %d: nothing to apply (no samples, no group)", self._step)
-            for p, start in zip(self._params, self._start, strict=True):
-                p.grad = None
                 start.copy_(p)
             self._step += 1
         self._inner_done = 0
         self._stepped(own=samples)
         return True
+
+    def _outer_step(
+        self, averaged: torch.Tensor, start: list[torch.Tensor], *, apply: bool
+    ) -> None:
+        """Set the parameters to ``start`` and apply the averaged pseudo-gradient to them."""
+        offset = 0
+        for p, begin in zip(self._params, start, strict=True):
+            p.copy_(begin)
+            delta = averaged[offset : offset + p.numel()].view(p.shape)
+            p.grad = self._staging.to_device(delta, p)
+            offset += p.numel()
+        if apply:
+            self.outer_optimizer.step()
+        else:
+            logger.warning("round %d: nothing to apply (no samples, no group)", self._step)
+        for p in self._params:
+            p.grad = None
 
     def _finish_round(self) -> bool:
         """Apply the round averaged in the background (waits for it if needed)."""
@@ -209,18 +215,8 @@ class DiLoCoOptimizer(SwarmTrainer):
         apply = settled is not pending.vector or pending.samples > 0
         with self._lock, torch.no_grad():
             progress = [p - end for p, end in zip(self._params, self._start, strict=True)]
-            offset = 0
-            for p, start in zip(self._params, pending.round_start, strict=True):
-                p.copy_(start)
-                delta = settled[offset : offset + p.numel()].view(p.shape)
-                p.grad = self._staging.to_device(delta, p)
-                offset += p.numel()
-            if apply:
-                self.outer_optimizer.step()
-            else:
-                logger.warning("round %d: nothing to apply (no samples, no group)", self._step)
+            self._outer_step(settled, pending.round_start, apply=apply)
             for p, start, moved in zip(self._params, self._start, progress, strict=True):
-                p.grad = None
                 start.copy_(p)  # θ': the swarm's new start
                 p.add_(moved)
             self._step += 1
