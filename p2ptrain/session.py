@@ -118,10 +118,13 @@ class TrainingSessionConfig:
         diloco_overlap: DiLoCo rounds overlap (``DiLoCoConfig.overlap``), with
             half the default outer learning rate (measured to train as well as
             synchronous rounds, where the default overshoots).
-        compression: Codec of the all-reduce: ``none``, ``fp16``, ``bf16``, ``int8``.
+        compression: Codec of the all-reduce: ``none``, ``fp16`` (the default:
+            half the bytes at the same loss, see docs/training.md), ``bf16``,
+            ``int8`` (with error feedback).
         matchmaking_window: Seconds a peer gathers a step's group.
-        log_digest: Add ``params_sha256`` (the parameters' SHA-256) to every
-            progress event and to the end event; costs one pass over the model.
+        log_digest: Add ``params_sha256`` (the parameters' SHA-256) to the
+            start event (the task's initial parameters), every progress event
+            and the end event; costs one pass over the model each time.
     """
 
     initial_peers: tuple[str, ...]
@@ -150,7 +153,7 @@ class TrainingSessionConfig:
     checkpoint_interval: float = 60.0
     diloco_inner_steps: int | None = None
     diloco_overlap: bool = False
-    compression: str = "none"
+    compression: str = "fp16"
     matchmaking_window: float = 2.0
     log_digest: bool = False
 
@@ -375,6 +378,7 @@ def run_training_peer(
                 "upload_mbit": config.upload_mbit,
                 "download_mbit": config.download_mbit,
                 "metrics_port": None if server is None else server.port,
+                **_digest(config, task.model),  # the task's initial parameters
             }
         )
         if announce is not None:

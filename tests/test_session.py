@@ -246,11 +246,10 @@ def test_one_model_per_run_through_the_command_line(
     common += ["--batch-size", "8", "--log-json", "-", "--torch-threads", "1", "--log-digest"]
     peers = [cli_process(*common, "--task", str(task_file)) for _ in range(2)]
     procs.extend(peers)
-    firsts = [json.loads(peer.next_line(deadline)) for peer in peers]
-    assert all(e["event"] == "start" for e in firsts)
-    firsts = [json.loads(peer.next_line(deadline)) for peer in peers]
-    assert [e["global_step"] for e in firsts] == [0, 0]
-    assert firsts[0]["params_sha256"] == firsts[1]["params_sha256"]  # one initial state
+    starts = [json.loads(peer.next_line(deadline)) for peer in peers]
+    assert all(e["event"] == "start" for e in starts)
+    # The task's own initial parameters (before any download): one run, one start.
+    assert starts[0]["params_sha256"] == starts[1]["params_sha256"]
 
     # The run's id came from the task's name; another model in it is refused.
     wrong = cli_process(*common, "--task", str(other), "--run-id", "linear_task")
@@ -259,7 +258,7 @@ def test_one_model_per_run_through_the_command_line(
     wrong_err = [line for line in wrong.stderr if "error" in line]
     assert len(wrong_err) == 1 and "trains another model" in wrong_err[0], list(wrong.stderr)
 
-    digests: dict[int, set[str]] = {0: {firsts[0]["params_sha256"]}}
+    digests: dict[int, set[str]] = {0: {starts[0]["params_sha256"]}}
     ends = []
     for peer in peers:
         events = _events_until_end(peer, deadline)
