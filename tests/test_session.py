@@ -198,7 +198,7 @@ def test_a_stopped_swarm_resumes_from_its_checkpoints(
     """Two peers stop, restart with --checkpoint, and go on from their global step."""
     task_file = tmp_path / "my_task.py"
     task_file.write_text(documented_example())
-    deadline = time.monotonic() + 110
+    deadline = time.monotonic() + 150
     boot = cli_process("bootstrap", "--port", "0")
     procs.append(boot)
     assert "ready" in boot.next_line(deadline)
@@ -218,11 +218,13 @@ def test_a_stopped_swarm_resumes_from_its_checkpoints(
     steps = [events[-1]["global_step"] for events in before]
     assert min(steps) >= 2, steps
     last_loss = max(events[-1]["loss"] for events in before)
-    after = run("3")
+    after = run("6")
     for events, step in zip(after, steps, strict=True):
         progress = [e for e in events if e["event"] == "progress"]
         assert progress[0]["global_step"] >= step  # resumed, not restarted from 0
-        first_loss = next(e["loss"] for e in progress if e["loss"] is not None)
+        # The first loss reported after the restart (a slow machine may log no
+        # progress event with a loss before the end event).
+        first_loss = next(e["loss"] for e in events[1:] if e.get("loss") is not None)
         assert first_loss <= max(2 * last_loss, 1e-3), (first_loss, last_loss)
         assert events[-1]["global_step"] > step
 
