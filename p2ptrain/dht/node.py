@@ -27,8 +27,13 @@ Storing a record looks up the *k* nodes closest to the key and sends it to the
 ``replicas`` closest of them (ourselves included, unless in client mode); a
 replica that fails is replaced by the next closest. Getting a value returns
 the local copy when there is one, else the first valid value a FIND_VALUE
-lookup finds; with ``latest=True`` it collects values from up to ``replicas``
-nodes and merges them (newest expiration wins, per dictionary sub-key).
+lookup finds if it is signed; an unsigned value is cross-checked: values are
+collected from ``get_quorum`` replicas and an unsigned record is returned only
+if more than half of the replies carry it
+(:func:`~p2ptrain.dht.storage.agreed_value`), so a node whose id sits next
+to the key cannot forge one. With ``latest=True`` values are collected from
+up to ``replicas`` nodes and combined the same way (signed records: newest
+valid signature wins, per dictionary sub-key).
 
 A plain get is *hedged*: it first asks only the closest candidate and
 launches the other queries the lookup hands out when that one fails, answers
@@ -82,7 +87,7 @@ from p2ptrain.dht.records import (
 )
 from p2ptrain.dht.routing import AddStatus, Contact, NodeID, RoutingTable
 from p2ptrain.dht.stats import RPCStats
-from p2ptrain.dht.storage import RecordStore, merge_values
+from p2ptrain.dht.storage import RecordStore, agreed_value
 from p2ptrain.dht.tasks import BackgroundTasks
 from p2ptrain.errors import (
     ConfigError,
@@ -302,10 +307,18 @@ class DHTNode:
             return local
         if not len(self.routing_table) and not self.client_mode:
             return local  # alone in the network: nobody else to ask
-        wanted = self._dht.effective_replicas if latest else 1
+        # A plain get stops at the first signed value; an unsigned one is only
+        # believed when most of `get_quorum` replicas carry it (agreed_value).
+        quorum = min(self.config.get_quorum, self._dht.effective_replicas)
+        wanted = self._dht.effective_replicas if latest else quorum
         try:
             result = await self._lookup(
-                NodeID.from_key(key), LookupMode.FIND_VALUE, key, values_wanted=wanted
+                NodeID.from_key(key),
+                LookupMode.FIND_VALUE,
+                key,
+                values_wanted=wanted,
+                hedge=not latest,
+                enough=None if latest else _signed,
             )
         except LookupFailedError:
             if local is not None:
@@ -314,11 +327,19 @@ class DHTNode:
         values = [value for _, value in result.values]
         if local is not None:
             values.append(local)
-        return merge_values(values, now=self._clock())
+        return agreed_value(values, now=self._clock())
 
     async def _lookup(
-        self, target: NodeID, mode: LookupMode, key: bytes | None, *, values_wanted: int
+        self,
+        target: NodeID,
+        mode: LookupMode,
+        key: bytes | None,
+        *,
+        values_wanted: int,
+        hedge: bool = False,
+        enough: Callable[[StoredValue], bool] | None = None,
     ) -> LookupResult[StoredValue]:
+        """Drive one lookup; ``enough(value)`` ends a FIND_VALUE at a value that suffices."""
         lookup: IterativeLookup[StoredValue] = IterativeLookup(
             target,
             self.routing_table.nearest(target, self._dht.k),
@@ -333,9 +354,7 @@ class DHTNode:
         # Hedging: a plain get first asks only the closest candidate; the others
         # handed out by the lookup wait in `staged` until that query fails,
         # answers without the value, or takes longer than `hedge_delay`.
-        hedging = (
-            mode is LookupMode.FIND_VALUE and values_wanted == 1 and self.config.hedge_delay > 0
-        )
+        hedging = mode is LookupMode.FIND_VALUE and hedge and self.config.hedge_delay > 0
         staged: deque[Contact] = deque()
         try:
             while True:
@@ -361,6 +380,8 @@ class DHTNode:
                         lookup.on_failure(contact)
                         continue
                     lookup.on_response(contact, reply.contacts, reply.value)
+                    if enough is not None and reply.value is not None and enough(reply.value):
+                        return lookup.result()
                 if lookup.done:
                     break
         finally:
@@ -498,9 +519,9 @@ class DHTNode:
         if batch:
             yield batch
 
-    def _store_locally(self, record: Record, now: float) -> StoreStatus:
+    def _store_locally(self, record: Record, now: float, source: str | None = None) -> StoreStatus:
         try:
-            stored = self.records.store_record(record, now)
+            stored = self.records.store_record(record, now, source=source)
         except RecordRejectedError as exc:
             return StoreStatus(StoreOutcome.REJECTED, str(exc))
         if stored:
@@ -675,11 +696,18 @@ class DHTNode:
         )
         self._heard_from_caller(ctx, store.sender)
         now = self._clock()
-        statuses = tuple(self._store_locally(r, now) for r in store.records)
+        source = _source_host(ctx.remote_address)
+        statuses = tuple(self._store_locally(r, now, source) for r in store.records)
         for status in statuses:
             if status.outcome is StoreOutcome.REJECTED:
-                logger.info("refused a record from %s: %s", ctx.peer.short, status.reason)
+                logger.debug("refused a record from %s: %s", ctx.peer.short, status.reason)
         return Message(StoreReply(statuses).encode())
+
+
+def _source_host(remote_address: str) -> str:
+    """The host a STORE came from, which its records are charged to."""
+    host, sep, _port = remote_address.rpartition(":")
+    return host if sep else remote_address
 
 
 def _decoded(parse: Callable[[], T]) -> T:
@@ -688,6 +716,12 @@ def _decoded(parse: Callable[[], T]) -> T:
         return parse()
     except RemoteProtocolError as exc:
         raise InvalidArgumentError(str(exc)) from exc
+
+
+def _signed(value: StoredValue) -> bool:
+    """Whether every record of ``value`` is signed."""
+    records = (value,) if isinstance(value, Record) else value.entries.values()
+    return all(r.owner is not None for r in records)
 
 
 def _live_part(value: StoredValue, now: float) -> StoredValue | None:

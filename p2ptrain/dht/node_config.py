@@ -55,6 +55,9 @@ class DHTNodeConfig:
             are answered by the first peer asked, so this saves the other
             queries; a failure or an answer without the value ends the wait at
             once. 0 asks *alpha* peers from the start.
+        get_quorum: Replicas a plain get asks before it believes an unsigned
+            value (capped by ``replicas``); the value must be carried by more
+            than half of the replies. Signed values need one reply.
     """
 
     dht: DHTConfig = field(default_factory=DHTConfig)
@@ -67,6 +70,7 @@ class DHTNodeConfig:
     max_reply_bytes: int = 12 * MiB
     republish_parallelism: int = 8
     hedge_delay: float = 0.1
+    get_quorum: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.dht, DHTConfig):
@@ -98,7 +102,12 @@ class DHTNodeConfig:
                 f"DHTNodeConfig.ping_timeout ({self.ping_timeout}) must be below"
                 f" DHTConfig.ping_timeout ({self.dht.ping_timeout})"
             )
-        for name in ("max_records_per_request", "max_reply_bytes", "republish_parallelism"):
+        for name in (
+            "max_records_per_request",
+            "max_reply_bytes",
+            "republish_parallelism",
+            "get_quorum",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"DHTNodeConfig.{name} must be an int >= 1, got {value!r}")
