@@ -3,6 +3,10 @@ values from a node whose id sits next to the key, filling a node's storage."""
 
 from __future__ import annotations
 
+import asyncio
+import random
+import time
+
 import pytest
 from conftest import NodeFactory
 from test_dht_node import (  # noqa: F401 - make_dht is a fixture
@@ -16,7 +20,8 @@ from test_dht_node import (  # noqa: F401 - make_dht is a fixture
 from p2ptrain.dht import ValueWithExpiration
 from p2ptrain.dht.protocol import METHOD_PING, FindReply, FindRequest, PingRequest, StoreOutcome
 from p2ptrain.dht.records import Record
-from p2ptrain.dht.routing import NodeID
+from p2ptrain.dht.routing import Contact, NodeID
+from p2ptrain.identity import PeerID
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.wire.frames import pack_body
 
@@ -101,3 +106,79 @@ async def test_a_close_id_node_cannot_forge_an_unsigned_value(
         results.append(found.value)
     assert forged_served[0] > 0  # the rogue was asked
     assert results == ["honest"] * 10
+
+
+async def test_a_get_survives_a_flood_of_dead_contacts(
+    make_dht: DHTFactory,  # noqa: F811 - the fixture imported above
+    make_node: NodeFactory,
+) -> None:
+    """A rogue answers every FIND with 10,000 contacts next to the target that
+    accept TCP and never answer; a healthy get must still finish in under 2 s."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # accept, never answer
+
+    tar_pit = await asyncio.start_server(hold, "127.0.0.1", 0)
+    pit = f"127.0.0.1:{tar_pit.sockets[0].getsockname()[1]}"
+    rogue = await make_node()
+
+    async def flood(ctx: CallContext, request: Message) -> Message:
+        find = FindRequest.decode(request.body, max_key_bytes=512)
+        rng = random.Random(int(find.target))
+        dead = [
+            Contact(PeerID((int(find.target) ^ rng.getrandbits(40)).to_bytes(32, "big")), pit)
+            for _ in range(10_000)
+        ]
+        dead.sort(key=lambda c: c.node_id ^ find.target)
+        body, payload = FindReply(tuple(dead), None).encode(max_value_bytes=1 << 20)
+        return Message(body, payload)
+
+    await serve_rogue(rogue, flood)
+    try:
+        honest = await swarm(make_dht, 4, request_timeout=5.0)
+        for peer in honest:
+            await rogue.call(
+                peer.address, METHOD_PING, PingRequest(rogue.address.endpoint).encode()
+            )
+        assert await honest[1].store("signed", "s", honest[1].now() + 60, sign=True)
+        assert await honest[1].store("unsigned", "u", honest[1].now() + 60)
+        reader = await make_dht(honest[0], rogue, client_mode=True, request_timeout=5.0)
+        for key, expected in (("signed", "s"), ("unsigned", "u")):
+            started = time.perf_counter()
+            found = await reader.get(key)
+            elapsed = time.perf_counter() - started
+            assert isinstance(found, ValueWithExpiration) and found.value == expected
+            assert elapsed < 2.0, (key, elapsed)
+    finally:
+        for writer in held:
+            writer.close()
+        tar_pit.close()
+
+
+async def test_a_caller_enters_the_routing_table_only_if_it_answers_where_it_claims(
+    make_dht: DHTFactory,  # noqa: F811 - the fixture imported above
+    make_node: NodeFactory,
+) -> None:
+    """An identity announcing a tar pit stays out of the table; a real peer gets in."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    tar_pit = await asyncio.start_server(hold, "127.0.0.1", 0)
+    pit = f"127.0.0.1:{tar_pit.sockets[0].getsockname()[1]}"
+    try:
+        victim = await make_dht(request_timeout=0.5)
+        sybil = await make_node()
+        await sybil.call(victim.address, METHOD_PING, PingRequest(pit).encode(), timeout=5)
+        await asyncio.wait_for(victim.dht_node.callers_verified(), 5)
+        assert sybil.peer_id not in victim.dht_node.routing_table
+        honest = await make_dht(victim)
+        await asyncio.wait_for(victim.dht_node.callers_verified(), 5)
+        assert honest.peer_id in victim.dht_node.routing_table
+        assert len(victim.dht_node.routing_table) == 1
+    finally:
+        for writer in held:
+            writer.close()
+        tar_pit.close()

@@ -650,6 +650,7 @@ async def test_bootstrap_from_plain_address_and_failures(
     first = await make_dht()
     second = await make_dht(first.address.endpoint)  # no peer id: learned in the handshake
     assert [p.peer_id for p in second.known_peers()] == [first.peer_id]
+    await asyncio.wait_for(first.dht_node.callers_verified(), 5)  # first dialled second back
     assert second.peer_id in first.dht_node.routing_table
     lonely = await make_dht()  # no initial peers: a new network of one
     exp = lonely.now() + 60
@@ -709,6 +710,7 @@ async def test_republish_moves_records_to_new_closest_peers(make_dht: DHTFactory
         a, dht=config, clock=clock, identity=newcomer_identity, max_records_per_request=2
     )
     assert newcomer.dht_node.records.get(key, clock()) is None
+    await asyncio.wait_for(a.dht_node.callers_verified(), 5)  # a learns of the newcomer
     await a.dht_node.maintain()  # not yet time to republish
     assert newcomer.dht_node.records.get(key, clock()) is None
     clock.advance(601)

@@ -97,6 +97,7 @@ from p2ptrain.errors import (
     P2PTrainError,
     RecordRejectedError,
     RemoteProtocolError,
+    ResourceExhaustedError,
 )
 from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
@@ -110,6 +111,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _FAILURES = (P2PTrainError, TimeoutError)
+_LARGE_REPLY = 64 * 1024
+"""Replies at least this large are charged to the node's reply budget."""
+_MAX_VERIFYING = 64
+"""Callers whose announced address is checked at once (more wait for a later call)."""
 """What a request to another peer may fail with (typed errors and our own timeout)."""
 
 
@@ -152,6 +157,10 @@ class DHTNode:
         self._tasks = BackgroundTasks(f"dht {node.peer_id.short}")
         self._sender: str | None = None
         self._next_republish = clock() + self._dht.republish_interval
+        self._srtt: float | None = None  # smoothed duration of answered requests
+        self._verifying: set[PeerID] = set()  # callers whose address is being checked
+        self._none_verifying = asyncio.Event()
+        self._none_verifying.set()
         self._started = False
         self._closing = False
 
@@ -356,23 +365,38 @@ class DHTNode:
         # answers without the value, or takes longer than `hedge_delay`.
         hedging = mode is LookupMode.FIND_VALUE and hedge and self.config.hedge_delay > 0
         staged: deque[Contact] = deque()
+        # A query that outlives `patience` is given up by the lookup (which
+        # moves on) but left running as a straggler, so a slow peer is not
+        # blamed; stragglers are cancelled when the lookup ends.
+        patience = self._query_patience()
+        started: dict[asyncio.Task[FindReply], float] = {}
+        stragglers: set[asyncio.Task[FindReply]] = set()
         try:
             while True:
                 staged.extend(lookup.next_queries())
                 launch = len(staged) if not hedging else int(not pending and bool(staged))
                 for _ in range(launch):
                     contact = staged.popleft()
-                    pending[loop.create_task(self._query(contact, request, key))] = contact
-                if not pending:
+                    task = loop.create_task(self._query(contact, request, key))
+                    pending[task] = contact
+                    started[task] = loop.time()
+                waiting = [t for t in pending if t not in stragglers]
+                if not waiting:
                     break
+                now = loop.time()
+                wake = min(started[t] for t in waiting) + patience - now
+                if hedging and staged:
+                    wake = min(wake, self.config.hedge_delay)
                 done, _ = await asyncio.wait(
-                    pending,
-                    timeout=self.config.hedge_delay if hedging and staged else None,
-                    return_when=asyncio.FIRST_COMPLETED,
+                    pending, timeout=max(0.0, wake), return_when=asyncio.FIRST_COMPLETED
                 )
                 hedging = False  # after the first reply (or the delay), alpha in flight
                 for task in done:
                     contact = pending.pop(task)
+                    started.pop(task, None)
+                    if task in stragglers:
+                        stragglers.discard(task)
+                        continue  # the lookup gave up on it already
                     try:
                         reply = task.result()
                     except _FAILURES as exc:
@@ -382,6 +406,11 @@ class DHTNode:
                     lookup.on_response(contact, reply.contacts, reply.value)
                     if enough is not None and reply.value is not None and enough(reply.value):
                         return lookup.result()
+                now = loop.time()
+                for task in [t for t in pending if t not in stragglers]:
+                    if now - started[task] >= patience:
+                        stragglers.add(task)
+                        lookup.on_failure(pending[task])
                 if lookup.done:
                     break
         finally:
@@ -631,9 +660,16 @@ class DHTNode:
             self.stats.on_failure(method, exc)
             self.routing_table.mark_failed(contact.peer_id)
             raise
-        self.stats.on_answer(method, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.stats.on_answer(method, elapsed)
+        self._srtt = elapsed if self._srtt is None else 0.8 * self._srtt + 0.2 * elapsed
         self._heard(contact)
         return result
+
+    def _query_patience(self) -> float:
+        """How long a lookup waits for one query before moving on (see the config)."""
+        srtt = 0.0 if self._srtt is None else 4 * self._srtt
+        return min(self.config.request_timeout, max(self.config.lookup_query_timeout, srtt))
 
     def _heard(self, contact: Contact) -> None:
         """We heard from ``contact`` directly: tell the routing table (and ping if asked)."""
@@ -665,8 +701,41 @@ class DHTNode:
     # -- serving -----------------------------------------------------------------------
 
     def _heard_from_caller(self, ctx: CallContext, sender: str | None) -> None:
-        if sender is not None:
-            self._heard(Contact(ctx.peer, sender))
+        """A caller announced where it listens: believe it once it answered there."""
+        if sender is None or ctx.peer == self.peer_id:
+            return
+        contact = Contact(ctx.peer, sender)
+        known = self.routing_table.get(ctx.peer)
+        if not self.config.verify_callers or (known is not None and known.address == sender):
+            self._heard(contact)
+            return
+        if self._closing or ctx.peer in self._verifying or len(self._verifying) >= _MAX_VERIFYING:
+            return
+        self._verifying.add(ctx.peer)
+        self._none_verifying.clear()
+        self._tasks.spawn(self._verify(contact), name=f"dht-verify:{ctx.peer.short}")
+
+    async def _verify(self, contact: Contact) -> None:
+        try:
+            address = PeerAddress.parse(contact.address).with_peer(contact.peer_id)
+            reply = await self.node.probe(
+                address,
+                METHOD_PING,
+                PingRequest(None).encode(),
+                timeout=self.config.ping_timeout,
+            )
+            if not PingReply.decode(reply.body).client_mode:
+                self._heard(contact)
+        except (*_FAILURES, ValueError) as exc:
+            logger.debug("%s did not answer at %s: %s", contact.peer_id.short, contact.address, exc)
+        finally:
+            self._verifying.discard(contact.peer_id)
+            if not self._verifying:
+                self._none_verifying.set()
+
+    async def callers_verified(self) -> None:
+        """Wait until no caller's announced address is being checked (see ``verify_callers``)."""
+        await self._none_verifying.wait()
 
     async def _serve_ping(self, ctx: CallContext, request: Message) -> Message:
         self.stats.on_served(METHOD_PING)
@@ -682,6 +751,14 @@ class DHTNode:
         self._heard_from_caller(ctx, find.sender)
         contacts = self.routing_table.nearest(find.target, self._dht.k, exclude=(ctx.peer,))
         value = None if find.key is None else self.records.get(find.key, self._clock())
+        if value is not None:
+            # Refuse before building a reply the node's reply budget cannot take.
+            size = min(self.config.max_reply_bytes, _value_bytes(value))
+            budget = self.node.reply_budget
+            if size >= _LARGE_REPLY and not budget.fits(size):
+                raise ResourceExhaustedError(
+                    f"busy sending {budget.used} bytes of replies; retry later"
+                )
         body, payload = FindReply(tuple(contacts), value).encode(
             max_value_bytes=self.config.max_reply_bytes
         )
@@ -716,6 +793,13 @@ def _decoded(parse: Callable[[], T]) -> T:
         return parse()
     except RemoteProtocolError as exc:
         raise InvalidArgumentError(str(exc)) from exc
+
+
+def _value_bytes(value: StoredValue) -> int:
+    """Bytes of values a reply carrying ``value`` would hold (its payload)."""
+    if isinstance(value, Record):
+        return len(value.value)
+    return sum(len(r.value) for r in value.entries.values())
 
 
 def _signed(value: StoredValue) -> bool:

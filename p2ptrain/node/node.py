@@ -227,6 +227,24 @@ class Node:
         conn = await self.connect(target)
         return await conn.open_stream(method, timeout=timeout)
 
+    async def probe(
+        self, target: PeerAddress, method: str, body: Any = None, *, timeout: float
+    ) -> Message:
+        """Call ``method`` over a fresh direct connection to ``target``, then close it.
+
+        Proves that the peer named in ``target`` answers at its address (the
+        handshake checks the PeerID), which a pooled connection it opened to
+        us does not: the DHT checks a caller's announced address this way.
+        """
+        if target.peer_id is None:
+            raise ValueError("probe() needs the PeerID expected at the address")
+        async with asyncio.timeout(timeout):
+            conn = await self._dial(target)
+            try:
+                return await conn.call(method, body, timeout=timeout)
+            finally:
+                await conn.aclose()
+
     async def abort(self) -> None:
         """Stop at once, as a crash would: no goodbye, queued data dropped.
 

@@ -27,6 +27,10 @@ class ByteBudget:
         self.used = 0
         self.refused = 0
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` could be taken now (a handler checks before building a reply)."""
+        return self.used + nbytes <= self.limit
+
     def try_take(self, nbytes: int) -> bool:
         """Take ``nbytes`` if they fit; whether they were taken."""
         if self.used + nbytes > self.limit:
