@@ -431,7 +431,9 @@ async def main(args: argparse.Namespace) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
+    parser.add_argument(
+        "--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS, help="attacks to run"
+    )
     parser.add_argument("--before", type=float, default=5.0, help="seconds measured before")
     parser.add_argument("--during", type=float, default=8.0, help="seconds measured during")
     parser.add_argument("--after", type=float, default=30.0, help="seconds until RSS 'after'")

@@ -36,7 +36,17 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-BENCHMARKS = ("all", "transport", "dht", "allreduce", "lp", "training", "webrtc", "scale")
+BENCHMARKS = (
+    "all",
+    "transport",
+    "dht",
+    "allreduce",
+    "lp",
+    "training",
+    "webrtc",
+    "scale",
+    "hostile",
+)
 _EXAMPLES = """examples:
   p2ptrain demo                                   # a local swarm on this machine
   p2ptrain train --join PEERID@203.0.113.7:4001 --seconds 600
