@@ -19,6 +19,10 @@ process (this script with ``--attack NAME``), in turn:
 * ``close_id_forgery``: a node whose id is the closest to the healthy
   client's unsigned key answers every FIND for it with a forged value.
 * ``storage_fill``: 1,000 records of 60 KiB stored on the victim.
+* ``sybil_flood``: 1,000 identities call the victim, each announcing a tar
+  pit (a socket that accepts and never answers) as its address.
+* ``dead_contacts``: a real peer that answers every FIND with 10,000
+  contacts next to the target, all at one tar pit.
 
 Per attack: the healthy client's median and p99 latency before and during,
 its wrong or failed answers, the victim's RSS growth while attacked and
@@ -65,8 +69,8 @@ from p2ptrain.dht.protocol import (
     StoreRequest,
 )
 from p2ptrain.dht.records import Record
-from p2ptrain.dht.routing import NodeID
-from p2ptrain.identity import Identity
+from p2ptrain.dht.routing import Contact, NodeID
+from p2ptrain.identity import Identity, PeerID
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.handlers import CallContext, Message
@@ -81,6 +85,8 @@ ATTACKS = (
     "dictionary_wipe",
     "close_id_forgery",
     "storage_fill",
+    "sybil_flood",
+    "dead_contacts",
 )
 SIGNED_KEY = "healthy/signed"
 UNSIGNED_KEY = "healthy/unsigned"
@@ -273,6 +279,8 @@ async def attack(name: str, victim: str, others: list[str]) -> None:
             )
             body, payload = StoreRequest(records).encode()
             await node.call(target, "dht.store", body, payload, timeout=30)
+    elif name in ("sybil_flood", "dead_contacts"):
+        held += await sybil_attack(name, node, victim, others)
     else:
         raise SystemExit(f"unknown attack {name}")
     print(READY, flush=True)
@@ -280,9 +288,60 @@ async def attack(name: str, victim: str, others: list[str]) -> None:
     for item in held:
         if isinstance(item, asyncio.Future):
             item.cancel()
-        elif isinstance(item, socket.socket | asyncio.StreamWriter):
+        elif isinstance(item, socket.socket | asyncio.StreamWriter | asyncio.Server):
             item.close()
+        elif isinstance(item, list):
+            for writer in item:
+                writer.close()
+        elif isinstance(item, Node):
+            await item.abort()
     await node.abort()
+
+
+async def tar_pit() -> tuple[asyncio.Server, str, list[asyncio.StreamWriter]]:
+    """A socket that accepts connections and never answers."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}", writers
+
+
+async def sybil_attack(name: str, node: Node, victim: str, others: list[str]) -> list[Any]:
+    server, pit, writers = await tar_pit()
+    held: list[Any] = [server, writers]
+    if name == "sybil_flood":
+
+        async def one() -> None:
+            sybil = Node(identity=Identity.generate())  # dials only: no listener
+            held.append(sybil)
+            with contextlib.suppress(Exception):  # refused beyond the inbound caps
+                await sybil.call(victim, METHOD_PING, PingRequest(pit).encode(), timeout=10)
+
+        for _ in range(20):
+            await asyncio.gather(*(one() for _ in range(50)))
+        return held
+
+    async def ping(ctx: CallContext, request: Message) -> Message:
+        return Message(PingReply(client_mode=False).encode())
+
+    async def find(ctx: CallContext, request: Message) -> Message:
+        found = FindRequest.decode(request.body, max_key_bytes=512)
+        target = int(found.target)
+        dead = sorted(
+            (Contact(PeerID((target ^ (i + 1)).to_bytes(32, "big")), pit) for i in range(10_000)),
+            key=lambda c: c.node_id ^ target,
+        )
+        body, payload = FindReply(tuple(dead), None).encode(max_value_bytes=1 << 20)
+        return Message(body, payload)
+
+    node.handlers.add_unary(METHOD_PING, ping)
+    node.handlers.add_unary(METHOD_FIND, find)
+    for address in [victim, *others]:  # the rogue enters every routing table (it answers)
+        await node.call(address, METHOD_PING, PingRequest(node.address.endpoint).encode())
+    return held
 
 
 # -- the driver ------------------------------------------------------------------------------
