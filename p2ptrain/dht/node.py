@@ -58,7 +58,7 @@ import itertools
 import logging
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -113,6 +113,9 @@ T = TypeVar("T")
 _FAILURES = (P2PTrainError, TimeoutError)
 _LARGE_REPLY = 64 * 1024
 """Replies at least this large are charged to the node's reply budget."""
+_UNRESPONSIVE_S = 30.0
+"""Seconds later lookups skip an address a lookup gave up on (named in a reply)."""
+_UNRESPONSIVE_MAX = 4096
 _MAX_VERIFYING = 64
 """Callers whose announced address is checked at once (more wait for a later call)."""
 """What a request to another peer may fail with (typed errors and our own timeout)."""
@@ -159,6 +162,8 @@ class DHTNode:
         self._next_republish = clock() + self._dht.republish_interval
         self._srtt: float | None = None  # smoothed duration of answered requests
         self._verifying: set[PeerID] = set()  # callers whose address is being checked
+        # Addresses a lookup gave up on lately -> when to forget it (insertion order).
+        self._unresponsive: OrderedDict[str, float] = OrderedDict()
         self._none_verifying = asyncio.Event()
         self._none_verifying.set()
         self._started = False
@@ -403,7 +408,7 @@ class DHTNode:
                         logger.debug("lookup: %s failed: %s", contact.peer_id.short, exc)
                         lookup.on_failure(contact)
                         continue
-                    lookup.on_response(contact, reply.contacts, reply.value)
+                    lookup.on_response(contact, self._responsive(reply.contacts), reply.value)
                     if enough is not None and reply.value is not None and enough(reply.value):
                         return lookup.result()
                 now = loop.time()
@@ -411,6 +416,7 @@ class DHTNode:
                     if now - started[task] >= patience:
                         stragglers.add(task)
                         lookup.on_failure(pending[task])
+                        self._note_unresponsive(pending[task].address, now)
                 if lookup.done:
                     break
         finally:
@@ -419,6 +425,25 @@ class DHTNode:
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
         return lookup.result()
+
+    def _note_unresponsive(self, address: str, now: float) -> None:
+        """A lookup gave up on ``address``: later lookups skip it for a while."""
+        self._unresponsive.pop(address, None)
+        self._unresponsive[address] = now + _UNRESPONSIVE_S
+        while len(self._unresponsive) > _UNRESPONSIVE_MAX:
+            self._unresponsive.popitem(last=False)
+
+    def _responsive(self, contacts: Sequence[Contact]) -> Sequence[Contact]:
+        """``contacts`` of a reply without those at addresses that stalled a lookup lately."""
+        if not self._unresponsive:
+            return contacts
+        now = asyncio.get_running_loop().time()
+        while self._unresponsive:  # drop expired entries (oldest first)
+            address, until = next(iter(self._unresponsive.items()))
+            if until > now:
+                break
+            del self._unresponsive[address]
+        return [c for c in contacts if c.address not in self._unresponsive]
 
     async def _query(
         self, contact: Contact, request: dict[str, Any], key: bytes | None

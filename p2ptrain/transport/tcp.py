@@ -32,7 +32,7 @@ __all__ = ["TCPListener", "TCPTransport", "tcp_connect", "tcp_listen"]
 logger = logging.getLogger(__name__)
 
 _READ_CHUNK = 256 * 1024
-_FIRST_READ_CHUNK = 16 * 1024  # until the peer is authenticated
+_FIRST_READ_CHUNK = 16 * 1024  # grown to _READ_CHUNK once a read fills it (authenticated)
 _DIRECT_READ_MIN = 64 * 1024  # read straight into payloads at least this large
 
 
@@ -58,6 +58,7 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._read_buffer = bytearray(_FIRST_READ_CHUNK)
+        self._may_grow = False  # set once the peer is authenticated
         self._reading_direct = False
         self._peername = "?"
         self.connected = asyncio.Event()
@@ -92,6 +93,9 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
                 self._decoder.payload_written(nbytes)
             else:
                 self._decoder.feed(memoryview(self._read_buffer)[:nbytes])
+                if nbytes == len(self._read_buffer) and self._may_grow:
+                    self._read_buffer = bytearray(_READ_CHUNK)  # busy: read more at once
+                    self._may_grow = False
         except RemoteProtocolError as exc:
             logger.warning(
                 "closing connection from %s: %s: %s", self._peername, type(exc).__name__, exc
@@ -124,8 +128,9 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
 
     def authenticated(self) -> None:
         super().authenticated()
-        if len(self._read_buffer) < _READ_CHUNK:  # grown only for authenticated peers
-            self._read_buffer = bytearray(_READ_CHUNK)
+        # An authenticated peer's read buffer grows on demand (most connections
+        # are idle or carry small messages and never need 256 KiB).
+        self._may_grow = len(self._read_buffer) < _READ_CHUNK
 
     def set_payload_allocator(self, allocator: PayloadAllocator | None) -> None:
         super().set_payload_allocator(allocator)
