@@ -10,8 +10,9 @@ mmapped block is freed, so later large blocks come from the arenas and stay
 there. An attacker who made a node allocate a few hundred MB leaves it with
 that RSS for good, although nothing refers to the memory any more.
 
-:func:`release_unused_memory` undoes both: it frees the pooled buffers that
-have waited for reuse longer than ``idle_for`` (a workload that cycles its
+:func:`release_unused_memory` undoes both, after a full garbage collection
+(payloads caught in reference cycles are otherwise freed late): it frees the
+pooled buffers that have waited for reuse longer than ``idle_for`` (a workload that cycles its
 buffers keeps them), then asks glibc to return free pages with
 ``malloc_trim(0)`` (through ctypes; a no-op where the C library is not glibc).
 ``benchmarks/bench_hostile.py`` measures what each step gives back. A node
@@ -23,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 from collections.abc import Callable
 
 from p2ptrain.wire.buffers import default_pool
@@ -56,11 +58,16 @@ def malloc_trim() -> bool:
 
 
 def release_unused_memory(*, idle_for: float = 30.0) -> int:
-    """Free pooled buffers idle for ``idle_for`` seconds, then trim the allocator.
+    """Collect garbage cycles, free pooled buffers idle ``idle_for`` s, trim the allocator.
+
+    The collection comes first: a cancelled handler or a refused reply can
+    leave a large payload in a reference cycle (exception, traceback, frame)
+    that only the cyclic collector frees, and it may not run for a long while.
 
     Returns:
         Bytes of pooled buffers freed (what the allocator gives back is not counted).
     """
+    gc.collect()
     freed = default_pool.trim(idle_for=idle_for)
     malloc_trim()
     return freed
