@@ -169,7 +169,7 @@ async def test_a_caller_enters_the_routing_table_only_if_it_answers_where_it_cla
     tar_pit = await asyncio.start_server(hold, "127.0.0.1", 0)
     pit = f"127.0.0.1:{tar_pit.sockets[0].getsockname()[1]}"
     try:
-        victim = await make_dht(request_timeout=0.5)
+        victim = await make_dht(request_timeout=0.5, verify_callers=True)
         sybil = await make_node()
         await sybil.call(victim.address, METHOD_PING, PingRequest(pit).encode(), timeout=5)
         await asyncio.wait_for(victim.dht_node.callers_verified(), 5)
