@@ -47,6 +47,7 @@ BENCHMARKS = (
     "stop",
     "webrtc",
     "scale",
+    "hostile",
 )
 _EXAMPLES = """examples:
   p2ptrain demo                                   # a local swarm on this machine

@@ -552,6 +552,8 @@ async def _run_initiator(transport: FrameTransport, state: Initiator) -> Handsha
         transport.send_frame_nowait(auth)
         if state.keys is not None and not state.params.insecure_plaintext:
             transport.start_records(state.keys)  # before any byte of frame 4 is read
+        else:
+            transport.authenticated()
         accept = await transport.recv_frame()
         transport.send_frame_nowait(state.finish(accept))
     except (HandshakeError, RemoteProtocolError) as exc:
@@ -573,6 +575,8 @@ async def _run_responder(transport: FrameTransport, state: Responder) -> Handsha
         finally:
             if state.keys is not None and not transport.closed and not plaintext:
                 transport.start_records(state.keys)  # a refusal, too, travels sealed
+            elif not transport.closed:
+                transport.authenticated()
         transport.send_frame_nowait(accept)
         state.finish(await transport.recv_frame())
     except (HandshakeError, RemoteProtocolError) as exc:

@@ -341,3 +341,18 @@ def test_values_wanted_must_be_positive() -> None:
 def test_node_id_target_is_accepted() -> None:
     lookup: IterativeLookup[bytes] = IterativeLookup(NodeID(9), [contact_of(1)], config=CONFIG)
     assert lookup.target == 9
+
+
+def test_an_address_serves_one_id_per_lookup() -> None:
+    """Thousands of made-up ids at one address (a tar pit) cost one query, not thousands."""
+    target = 0
+    honest = contact_of(1 << 200)
+    lookup: IterativeLookup[bytes] = IterativeLookup(target, [honest], config=CONFIG)
+    assert lookup.next_queries() == [honest]
+    pit = [Contact(PeerID((i + 1).to_bytes(32, "big")), "10.0.0.9:4001") for i in range(1000)]
+    lookup.on_response(honest, pit)
+    queried = lookup.next_queries()
+    assert queried == [pit[0]]  # the others name an address already claimed
+    lookup.on_failure(pit[0])
+    assert lookup.next_queries() == []
+    assert lookup.done

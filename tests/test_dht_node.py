@@ -539,13 +539,20 @@ def key_closer_to(near: PeerID, far: PeerID, prefix: str = "key") -> bytes:
 async def test_a_plain_get_asks_one_peer_first(make_dht: DHTFactory) -> None:
     servers = await swarm(make_dht, 3)
     reader = await make_dht(servers[0], client_mode=True)
-    assert await servers[1].store("k", "v", servers[1].now() + 60)  # all three hold it
+    # A signed value needs one reply; all three servers hold it.
+    assert await servers[1].store("k", "v", servers[1].now() + 60, sign=True)
     counters = [count_finds(s) for s in servers]
     found = await reader.get("k")
     assert isinstance(found, ValueWithExpiration) and found.value == "v"
     assert sum(c[0] for c in counters) == 1  # the closest answered with the value
     assert await reader.get("k", latest=True) == found
     assert sum(c[0] for c in counters) == 1 + 3  # latest asks every replica
+    # An unsigned value is only believed when a quorum (3) of replicas agree.
+    assert await servers[1].store("u", "v", servers[1].now() + 60)
+    before = sum(c[0] for c in counters)
+    found = await reader.get("u")
+    assert isinstance(found, ValueWithExpiration) and found.value == "v"
+    assert sum(c[0] for c in counters) - before == 3
 
 
 async def test_a_plain_get_does_not_wait_for_a_silent_closest_peer(
@@ -560,7 +567,7 @@ async def test_a_plain_get_does_not_wait_for_a_silent_closest_peer(
     await serve_rogue(silent, black_hole)
     writer = await make_dht()
     key = key_closer_to(silent.peer_id, writer.peer_id)
-    assert await writer.store(key, "v", writer.now() + 60)
+    assert await writer.store(key, "v", writer.now() + 60, sign=True)  # one reply suffices
     timeout, hedge = 0.5, 0.05
     reader = await make_dht(
         silent, writer, client_mode=True, request_timeout=timeout, hedge_delay=hedge
@@ -643,6 +650,7 @@ async def test_bootstrap_from_plain_address_and_failures(
     first = await make_dht()
     second = await make_dht(first.address.endpoint)  # no peer id: learned in the handshake
     assert [p.peer_id for p in second.known_peers()] == [first.peer_id]
+    await asyncio.wait_for(first.dht_node.callers_verified(), 5)  # first dialled second back
     assert second.peer_id in first.dht_node.routing_table
     lonely = await make_dht()  # no initial peers: a new network of one
     exp = lonely.now() + 60
@@ -702,6 +710,7 @@ async def test_republish_moves_records_to_new_closest_peers(make_dht: DHTFactory
         a, dht=config, clock=clock, identity=newcomer_identity, max_records_per_request=2
     )
     assert newcomer.dht_node.records.get(key, clock()) is None
+    await asyncio.wait_for(a.dht_node.callers_verified(), 5)  # a learns of the newcomer
     await a.dht_node.maintain()  # not yet time to republish
     assert newcomer.dht_node.records.get(key, clock()) is None
     clock.advance(601)

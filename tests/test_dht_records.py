@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import random
 import struct
 from typing import Any
@@ -25,7 +24,13 @@ from p2ptrain.dht.records import (
     validate_for_read,
     verify_record,
 )
-from p2ptrain.dht.storage import RecordStore, merge_values
+from p2ptrain.dht.storage import (
+    RecordStore,
+    agreed_value,
+    merge_values,
+    rank,
+    record_bytes,
+)
 from p2ptrain.errors import RecordRejectedError
 from p2ptrain.identity import Identity
 
@@ -199,28 +204,31 @@ def test_store_capacity_is_enforced_after_evicting_expired() -> None:
     assert len(store) == 1
 
 
-def test_plain_value_and_dictionary_newest_wins_in_any_order() -> None:
-    plain = Record(b"k", b"plain", NOW + 10)
-    old_entry = Record(b"k", b"x", NOW + 5, b"s1")
-    new_entry = Record(b"k", b"y", NOW + 12, b"s2")
-    outcomes = set()
-    for order in itertools.permutations([plain, old_entry, new_entry]):
-        store = new_store()
-        for record in order:
-            store.store_record(record, NOW)
-        got = store.get(b"k", NOW)
-        assert isinstance(got, DictionaryRecord)
-        outcomes.add(tuple(got.entries))
-        assert store.get(b"k", NOW + 12) is None
-    assert outcomes == {(b"s2",)}
-
-
-def test_newer_plain_value_replaces_dictionary() -> None:
+def test_a_later_record_cannot_change_a_keys_kind_without_outranking_it() -> None:
+    """Plain vs dictionary: the first kind stays unless the newcomer outranks it."""
     store = new_store()
     store.store(b"k", b"x", NOW + 5, NOW, subkey=b"s")
-    assert store.store(b"k", b"plain", NOW + 10, NOW)
-    assert store.get(b"k", NOW) == Record(b"k", b"plain", NOW + 10)
-    assert store.store(b"k", b"older entry", NOW + 8, NOW, subkey=b"t") is False
+    with pytest.raises(RecordRejectedError, match="holds a dictionary"):
+        store.store(b"k", b"plain", NOW + 10, NOW)  # unsigned vs unsigned: refused
+    assert store.get(b"k", NOW) == DictionaryRecord(b"k", {b"s": Record(b"k", b"x", NOW + 5, b"s")})
+    assert store.store(b"k", b"plain", NOW + 10, NOW + 6)  # the entry expired: free again
+    with pytest.raises(RecordRejectedError, match="holds a plain value"):
+        store.store(b"k", b"y", NOW + 20, NOW + 6, subkey=b"t")
+    assert len(store) == 1
+
+
+def test_signed_records_displace_unsigned_ones_of_the_other_kind() -> None:
+    """Rank 0 (unsigned) < 1 (signed) < 2 (signed by the owner the key or sub-key names)."""
+    store = new_store()
+    assert store.store(b"k", b"squat", NOW + 100, NOW)  # unsigned plain first
+    sub = owner_bound_key(b"p", ALICE.public_key)
+    entry = signed(ALICE, b"k", b"alice", NOW + 10, subkey=sub)
+    assert [rank(Record(b"k", b"v", NOW + 1)), rank(signed(BOB, b"k", b"v", NOW + 1))] == [0, 1]
+    assert rank(entry) == 2
+    assert store.store_record(entry, NOW)  # the owner-bound entry displaces it
+    assert store.get(b"k", NOW) == DictionaryRecord(b"k", {sub: entry})
+    with pytest.raises(RecordRejectedError, match="holds a dictionary"):
+        store.store_record(signed(BOB, b"k", b"wipe", NOW + 200), NOW)  # rank 1 < 2
     assert len(store) == 1
 
 
@@ -240,7 +248,14 @@ def test_newer_plain_value_replaces_dictionary() -> None:
 def test_replicas_converge_whatever_the_arrival_order(
     pieces: list[tuple[bytes | None, bytes, int]], shuffler: random.Random
 ) -> None:
-    records = [Record(b"k", value, NOW + exp, subkey) for subkey, value, exp in pieces]
+    # One kind per key: records of the other kind and equal rank are refused
+    # (test_a_later_record_cannot_change_a_keys_kind_without_outranking_it).
+    plain = pieces[0][0] is None
+    records = [
+        Record(b"k", value, NOW + exp, subkey)
+        for subkey, value, exp in pieces
+        if (subkey is None) == plain
+    ]
     shuffled = list(records)
     shuffler.shuffle(shuffled)
     views = []
@@ -319,6 +334,7 @@ def test_owner_bound_key_accepts_only_its_owners_valid_signature() -> None:
     with pytest.raises(RecordRejectedError, match="64 bytes"):
         store.store_record(Record(key, b"v", NOW + 10, None, ALICE.public_key, b"short"), NOW)
     # Every entry of an owner-bound dictionary needs the key owner's signature too.
+    key = owner_bound_key(b"table", ALICE.public_key)
     with pytest.raises(RecordRejectedError, match="must be signed"):
         store.store(key, b"v", NOW + 10, NOW, subkey=b"s")
     assert store.store_record(signed(ALICE, key, b"v", NOW + 30, subkey=b"s"), NOW)
@@ -546,3 +562,37 @@ def test_fuzzed_sequences_keep_store_consistent(
                 assert got.expiration > now
     store.evict_expired(now + 1e6)
     assert len(store) == 0
+
+
+def test_storage_is_capped_in_bytes_in_all_and_per_source() -> None:
+    config = DHTConfig(max_value_bytes=1024, max_store_bytes=4000, max_bytes_per_source=2500)
+    store = new_store(config)
+    size = record_bytes(Record(b"k0", b"v" * 1000, NOW + 10))
+    assert store.store(b"k0", b"v" * 1000, NOW + 10, NOW, source="10.0.0.1")
+    assert store.store(b"k1", b"v" * 1000, NOW + 10, NOW, source="10.0.0.1")
+    assert store.source_bytes("10.0.0.1") == 2 * size
+    with pytest.raises(RecordRejectedError, match=r"records of 10\.0\.0\.1"):
+        store.store(b"k2", b"v" * 1000, NOW + 10, NOW, source="10.0.0.1")
+    assert store.store(b"k1", b"w" * 1000, NOW + 20, NOW, source="10.0.0.1")  # a replacement fits
+    assert store.store(b"k2", b"v" * 1000, NOW + 10, NOW, source="10.0.0.2")
+    with pytest.raises(RecordRejectedError, match="4000 bytes"):
+        store.store(b"k3", b"v" * 1000, NOW + 10, NOW)  # the node's own record: only the total
+    assert store.store(b"k3", b"v" * 1000, NOW + 30, NOW + 15)  # k0 and k2 expired
+    assert store.stored_bytes == 2 * size and store.source_bytes("10.0.0.2") == 0
+
+
+def test_agreed_value_drops_unsigned_records_of_a_minority() -> None:
+    honest, forged = Record(b"k", b"v", NOW + 10), Record(b"k", b"forged", NOW + 50)
+    assert agreed_value([forged, honest, honest], now=NOW) == honest
+    assert agreed_value([forged, honest], now=NOW) is None  # no majority: nothing
+    assert agreed_value([forged], now=NOW) == forged  # one reply is its own majority
+    good = signed(ALICE, b"k", b"a", NOW + 20)
+    newer = signed(BOB, b"k", b"b", NOW + 30)
+    assert agreed_value([good, newer, forged], now=NOW) == newer  # signatures need no vote
+    a = Record(b"d", b"1", NOW + 10, b"a")
+    b = Record(b"d", b"2", NOW + 10, b"b")
+    got = agreed_value(
+        [DictionaryRecord(b"d", {b"a": a, b"b": b}), DictionaryRecord(b"d", {b"a": a})],
+        now=NOW,
+    )
+    assert got == DictionaryRecord(b"d", {b"a": a})  # b is carried by half: not more

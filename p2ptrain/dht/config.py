@@ -23,6 +23,8 @@ _INT_FIELDS_MIN_ONE = (
     "max_value_bytes",
     "max_subkeys",
     "max_records",
+    "max_store_bytes",
+    "max_bytes_per_source",
     "max_failures",
     "replacement_cache_size",
 )
@@ -51,6 +53,11 @@ class DHTConfig:
         max_value_bytes: Longest accepted value (the msgpack-encoded bytes the
             node stores). 64 KiB by default.
         max_subkeys: Most sub-keys one dictionary value may hold at a time.
+        max_store_bytes: Most bytes of records (keys, sub-keys, values and a
+            fixed overhead each) one node stores.
+        max_bytes_per_source: Most of those bytes the records sent by one
+            source (one host) may take; records a node stores itself are
+            only counted in ``max_store_bytes``.
         max_records: Most entries (plain values plus dictionary sub-keys) one
             store holds; further new entries are refused until some expire.
         max_expiration_horizon: How far past ``now`` an expiration time may
@@ -85,6 +92,8 @@ class DHTConfig:
     max_value_bytes: int = 64 * 1024
     max_subkeys: int = 256
     max_records: int = 100_000
+    max_store_bytes: int = 256 * 1024 * 1024
+    max_bytes_per_source: int = 32 * 1024 * 1024
     max_expiration_horizon: float = 24 * 3600.0
     refresh_interval: float = 3600.0
     republish_interval: float = 3600.0

@@ -29,7 +29,10 @@ Hostile replies cannot blow up the state: only the first
 ``config.effective_max_contacts_per_reply`` entries of a reply are looked at
 (duplicates, our own id and the responder count towards the cap), and the
 shortlist keeps at most ``SHORTLIST_FACTOR * k`` candidates that were never
-queried, dropping the farthest.
+queried, dropping the farthest. An address (``host:port``) serves one peer:
+a contact naming an address that another id already claimed in this lookup
+is ignored, so thousands of made-up ids next to the target that all point at
+one tar pit cost one query, not thousands.
 
 The node must validate a returned value (signatures, expiration, see
 :func:`p2ptrain.dht.records.validate_for_read`) *before* passing it in; a
@@ -165,6 +168,8 @@ class IterativeLookup(Generic[V]):
         self._distances: list[int] = []
         # Every candidate still tracked, failed ones included, by node id.
         self._known: dict[int, _Candidate] = {}
+        # Which node id claimed each address first: an address serves one peer.
+        self._addresses: dict[str, int] = {}
         self._fresh = 0
         self._in_flight = 0
         self._queries = 0
@@ -289,6 +294,9 @@ class IterativeLookup(Generic[V]):
         node_id = contact.node_id
         if node_id in self._known or node_id == self._own:
             return
+        claimed = self._addresses.setdefault(contact.address, node_id)
+        if claimed != node_id:
+            return  # another id at the same address: a Sybil (or a stale entry)
         candidate = _Candidate(contact, node_id ^ self._target, depth)
         self._known[node_id] = candidate
         index = bisect_right(self._distances, candidate.distance)
@@ -306,6 +314,7 @@ class IterativeLookup(Generic[V]):
                 del self._shortlist[index]
                 del self._distances[index]
                 del self._known[candidate.contact.node_id]
+                del self._addresses[candidate.contact.address]
                 self._fresh -= 1
                 excess -= 1
             index -= 1

@@ -27,8 +27,13 @@ Storing a record looks up the *k* nodes closest to the key and sends it to the
 ``replicas`` closest of them (ourselves included, unless in client mode); a
 replica that fails is replaced by the next closest. Getting a value returns
 the local copy when there is one, else the first valid value a FIND_VALUE
-lookup finds; with ``latest=True`` it collects values from up to ``replicas``
-nodes and merges them (newest expiration wins, per dictionary sub-key).
+lookup finds if it is signed; an unsigned value is cross-checked: values are
+collected from ``get_quorum`` replicas and an unsigned record is returned only
+if more than half of the replies carry it
+(:func:`~p2ptrain.dht.storage.agreed_value`), so a node whose id sits next
+to the key cannot forge one. With ``latest=True`` values are collected from
+up to ``replicas`` nodes and combined the same way (signed records: newest
+valid signature wins, per dictionary sub-key).
 
 A plain get is *hedged*: it first asks only the closest candidate and
 launches the other queries the lookup hands out when that one fails, answers
@@ -53,7 +58,7 @@ import itertools
 import logging
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -82,7 +87,7 @@ from p2ptrain.dht.records import (
 )
 from p2ptrain.dht.routing import AddStatus, Contact, NodeID, RoutingTable
 from p2ptrain.dht.stats import RPCStats
-from p2ptrain.dht.storage import RecordStore, merge_values
+from p2ptrain.dht.storage import RecordStore, agreed_value
 from p2ptrain.dht.tasks import BackgroundTasks
 from p2ptrain.errors import (
     ConfigError,
@@ -92,6 +97,7 @@ from p2ptrain.errors import (
     P2PTrainError,
     RecordRejectedError,
     RemoteProtocolError,
+    ResourceExhaustedError,
 )
 from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
@@ -105,6 +111,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _FAILURES = (P2PTrainError, TimeoutError)
+_LARGE_REPLY = 64 * 1024
+"""Replies at least this large are charged to the node's reply budget."""
+_UNRESPONSIVE_S = 30.0
+"""Seconds later lookups skip an address a lookup gave up on (named in a reply)."""
+_UNRESPONSIVE_MAX = 4096
+_MAX_VERIFYING = 64
+"""Callers whose announced address is checked at once (more wait for a later call)."""
 """What a request to another peer may fail with (typed errors and our own timeout)."""
 
 
@@ -147,6 +160,12 @@ class DHTNode:
         self._tasks = BackgroundTasks(f"dht {node.peer_id.short}")
         self._sender: str | None = None
         self._next_republish = clock() + self._dht.republish_interval
+        self._srtt: float | None = None  # smoothed duration of answered requests
+        self._verifying: set[PeerID] = set()  # callers whose address is being checked
+        # Addresses a lookup gave up on lately -> when to forget it (insertion order).
+        self._unresponsive: OrderedDict[str, float] = OrderedDict()
+        self._none_verifying = asyncio.Event()
+        self._none_verifying.set()
         self._started = False
         self._closing = False
 
@@ -302,10 +321,18 @@ class DHTNode:
             return local
         if not len(self.routing_table) and not self.client_mode:
             return local  # alone in the network: nobody else to ask
-        wanted = self._dht.effective_replicas if latest else 1
+        # A plain get stops at the first signed value; an unsigned one is only
+        # believed when most of `get_quorum` replicas carry it (agreed_value).
+        quorum = min(self.config.get_quorum, self._dht.effective_replicas)
+        wanted = self._dht.effective_replicas if latest else quorum
         try:
             result = await self._lookup(
-                NodeID.from_key(key), LookupMode.FIND_VALUE, key, values_wanted=wanted
+                NodeID.from_key(key),
+                LookupMode.FIND_VALUE,
+                key,
+                values_wanted=wanted,
+                hedge=not latest,
+                enough=None if latest else _signed,
             )
         except LookupFailedError:
             if local is not None:
@@ -314,11 +341,19 @@ class DHTNode:
         values = [value for _, value in result.values]
         if local is not None:
             values.append(local)
-        return merge_values(values, now=self._clock())
+        return agreed_value(values, now=self._clock())
 
     async def _lookup(
-        self, target: NodeID, mode: LookupMode, key: bytes | None, *, values_wanted: int
+        self,
+        target: NodeID,
+        mode: LookupMode,
+        key: bytes | None,
+        *,
+        values_wanted: int,
+        hedge: bool = False,
+        enough: Callable[[StoredValue], bool] | None = None,
     ) -> LookupResult[StoredValue]:
+        """Drive one lookup; ``enough(value)`` ends a FIND_VALUE at a value that suffices."""
         lookup: IterativeLookup[StoredValue] = IterativeLookup(
             target,
             self.routing_table.nearest(target, self._dht.k),
@@ -333,34 +368,55 @@ class DHTNode:
         # Hedging: a plain get first asks only the closest candidate; the others
         # handed out by the lookup wait in `staged` until that query fails,
         # answers without the value, or takes longer than `hedge_delay`.
-        hedging = (
-            mode is LookupMode.FIND_VALUE and values_wanted == 1 and self.config.hedge_delay > 0
-        )
+        hedging = mode is LookupMode.FIND_VALUE and hedge and self.config.hedge_delay > 0
         staged: deque[Contact] = deque()
+        # A query that outlives `patience` is given up by the lookup (which
+        # moves on) but left running as a straggler, so a slow peer is not
+        # blamed; stragglers are cancelled when the lookup ends.
+        patience = self._query_patience()
+        started: dict[asyncio.Task[FindReply], float] = {}
+        stragglers: set[asyncio.Task[FindReply]] = set()
         try:
             while True:
                 staged.extend(lookup.next_queries())
                 launch = len(staged) if not hedging else int(not pending and bool(staged))
                 for _ in range(launch):
                     contact = staged.popleft()
-                    pending[loop.create_task(self._query(contact, request, key))] = contact
-                if not pending:
+                    task = loop.create_task(self._query(contact, request, key))
+                    pending[task] = contact
+                    started[task] = loop.time()
+                waiting = [t for t in pending if t not in stragglers]
+                if not waiting:
                     break
+                now = loop.time()
+                wake = min(started[t] for t in waiting) + patience - now
+                if hedging and staged:
+                    wake = min(wake, self.config.hedge_delay)
                 done, _ = await asyncio.wait(
-                    pending,
-                    timeout=self.config.hedge_delay if hedging and staged else None,
-                    return_when=asyncio.FIRST_COMPLETED,
+                    pending, timeout=max(0.0, wake), return_when=asyncio.FIRST_COMPLETED
                 )
                 hedging = False  # after the first reply (or the delay), alpha in flight
                 for task in done:
                     contact = pending.pop(task)
+                    started.pop(task, None)
+                    if task in stragglers:
+                        stragglers.discard(task)
+                        continue  # the lookup gave up on it already
                     try:
                         reply = task.result()
                     except _FAILURES as exc:
                         logger.debug("lookup: %s failed: %s", contact.peer_id.short, exc)
                         lookup.on_failure(contact)
                         continue
-                    lookup.on_response(contact, reply.contacts, reply.value)
+                    lookup.on_response(contact, self._responsive(reply.contacts), reply.value)
+                    if enough is not None and reply.value is not None and enough(reply.value):
+                        return lookup.result()
+                now = loop.time()
+                for task in [t for t in pending if t not in stragglers]:
+                    if now - started[task] >= patience:
+                        stragglers.add(task)
+                        lookup.on_failure(pending[task])
+                        self._note_unresponsive(pending[task].address, now)
                 if lookup.done:
                     break
         finally:
@@ -369,6 +425,25 @@ class DHTNode:
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
         return lookup.result()
+
+    def _note_unresponsive(self, address: str, now: float) -> None:
+        """A lookup gave up on ``address``: later lookups skip it for a while."""
+        self._unresponsive.pop(address, None)
+        self._unresponsive[address] = now + _UNRESPONSIVE_S
+        while len(self._unresponsive) > _UNRESPONSIVE_MAX:
+            self._unresponsive.popitem(last=False)
+
+    def _responsive(self, contacts: Sequence[Contact]) -> Sequence[Contact]:
+        """``contacts`` of a reply without those at addresses that stalled a lookup lately."""
+        if not self._unresponsive:
+            return contacts
+        now = asyncio.get_running_loop().time()
+        while self._unresponsive:  # drop expired entries (oldest first)
+            address, until = next(iter(self._unresponsive.items()))
+            if until > now:
+                break
+            del self._unresponsive[address]
+        return [c for c in contacts if c.address not in self._unresponsive]
 
     async def _query(
         self, contact: Contact, request: dict[str, Any], key: bytes | None
@@ -498,9 +573,9 @@ class DHTNode:
         if batch:
             yield batch
 
-    def _store_locally(self, record: Record, now: float) -> StoreStatus:
+    def _store_locally(self, record: Record, now: float, source: str | None = None) -> StoreStatus:
         try:
-            stored = self.records.store_record(record, now)
+            stored = self.records.store_record(record, now, source=source)
         except RecordRejectedError as exc:
             return StoreStatus(StoreOutcome.REJECTED, str(exc))
         if stored:
@@ -610,9 +685,16 @@ class DHTNode:
             self.stats.on_failure(method, exc)
             self.routing_table.mark_failed(contact.peer_id)
             raise
-        self.stats.on_answer(method, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.stats.on_answer(method, elapsed)
+        self._srtt = elapsed if self._srtt is None else 0.8 * self._srtt + 0.2 * elapsed
         self._heard(contact)
         return result
+
+    def _query_patience(self) -> float:
+        """How long a lookup waits for one query before moving on (see the config)."""
+        srtt = 0.0 if self._srtt is None else 4 * self._srtt
+        return min(self.config.request_timeout, max(self.config.lookup_query_timeout, srtt))
 
     def _heard(self, contact: Contact) -> None:
         """We heard from ``contact`` directly: tell the routing table (and ping if asked)."""
@@ -644,8 +726,41 @@ class DHTNode:
     # -- serving -----------------------------------------------------------------------
 
     def _heard_from_caller(self, ctx: CallContext, sender: str | None) -> None:
-        if sender is not None:
-            self._heard(Contact(ctx.peer, sender))
+        """A caller announced where it listens: believe it once it answered there."""
+        if sender is None or ctx.peer == self.peer_id:
+            return
+        contact = Contact(ctx.peer, sender)
+        known = self.routing_table.get(ctx.peer)
+        if not self.config.verify_callers or (known is not None and known.address == sender):
+            self._heard(contact)
+            return
+        if self._closing or ctx.peer in self._verifying or len(self._verifying) >= _MAX_VERIFYING:
+            return
+        self._verifying.add(ctx.peer)
+        self._none_verifying.clear()
+        self._tasks.spawn(self._verify(contact), name=f"dht-verify:{ctx.peer.short}")
+
+    async def _verify(self, contact: Contact) -> None:
+        try:
+            address = PeerAddress.parse(contact.address).with_peer(contact.peer_id)
+            reply = await self.node.probe(
+                address,
+                METHOD_PING,
+                PingRequest(None).encode(),
+                timeout=self.config.ping_timeout,
+            )
+            if not PingReply.decode(reply.body).client_mode:
+                self._heard(contact)
+        except (*_FAILURES, ValueError) as exc:
+            logger.debug("%s did not answer at %s: %s", contact.peer_id.short, contact.address, exc)
+        finally:
+            self._verifying.discard(contact.peer_id)
+            if not self._verifying:
+                self._none_verifying.set()
+
+    async def callers_verified(self) -> None:
+        """Wait until no caller's announced address is being checked (see ``verify_callers``)."""
+        await self._none_verifying.wait()
 
     async def _serve_ping(self, ctx: CallContext, request: Message) -> Message:
         self.stats.on_served(METHOD_PING)
@@ -661,6 +776,14 @@ class DHTNode:
         self._heard_from_caller(ctx, find.sender)
         contacts = self.routing_table.nearest(find.target, self._dht.k, exclude=(ctx.peer,))
         value = None if find.key is None else self.records.get(find.key, self._clock())
+        if value is not None:
+            # Refuse before building a reply the node's reply budget cannot take.
+            size = min(self.config.max_reply_bytes, _value_bytes(value))
+            budget = self.node.reply_budget
+            if size >= _LARGE_REPLY and not budget.fits(size):
+                raise ResourceExhaustedError(
+                    f"busy sending {budget.used} bytes of replies; retry later"
+                )
         body, payload = FindReply(tuple(contacts), value).encode(
             max_value_bytes=self.config.max_reply_bytes
         )
@@ -675,11 +798,18 @@ class DHTNode:
         )
         self._heard_from_caller(ctx, store.sender)
         now = self._clock()
-        statuses = tuple(self._store_locally(r, now) for r in store.records)
+        source = _source_host(ctx.remote_address)
+        statuses = tuple(self._store_locally(r, now, source) for r in store.records)
         for status in statuses:
             if status.outcome is StoreOutcome.REJECTED:
-                logger.info("refused a record from %s: %s", ctx.peer.short, status.reason)
+                logger.debug("refused a record from %s: %s", ctx.peer.short, status.reason)
         return Message(StoreReply(statuses).encode())
+
+
+def _source_host(remote_address: str) -> str:
+    """The host a STORE came from, which its records are charged to."""
+    host, sep, _port = remote_address.rpartition(":")
+    return host if sep else remote_address
 
 
 def _decoded(parse: Callable[[], T]) -> T:
@@ -688,6 +818,19 @@ def _decoded(parse: Callable[[], T]) -> T:
         return parse()
     except RemoteProtocolError as exc:
         raise InvalidArgumentError(str(exc)) from exc
+
+
+def _value_bytes(value: StoredValue) -> int:
+    """Bytes of values a reply carrying ``value`` would hold (its payload)."""
+    if isinstance(value, Record):
+        return len(value.value)
+    return sum(len(r.value) for r in value.entries.values())
+
+
+def _signed(value: StoredValue) -> bool:
+    """Whether every record of ``value`` is signed."""
+    records = (value,) if isinstance(value, Record) else value.entries.values()
+    return all(r.owner is not None for r in records)
 
 
 def _live_part(value: StoredValue, now: float) -> StoredValue | None:

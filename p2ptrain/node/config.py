@@ -40,6 +40,13 @@ class NodeConfig:
             busy connections are never closed for this.
         min_idle_s: seconds a connection must have been idle to be closed
             for ``max_connections``.
+        max_inbound: inbound connections held at once (in the handshake or
+            authenticated); sockets beyond it are closed before any frame is read.
+        max_inbound_per_source: inbound connections held at once from one
+            source host (on loopback every local peer shares one source).
+        memory_release_interval: seconds between two passes that hand memory
+            nobody uses back to the system (idle pooled buffers, then the C
+            allocator's free pages; see :mod:`p2ptrain.memory`); 0 disables.
     """
 
     host: str = "127.0.0.1"
@@ -53,6 +60,9 @@ class NodeConfig:
     insecure_plaintext: bool = False
     max_connections: int = 256
     min_idle_s: float = 5.0
+    max_inbound: int = 1024
+    max_inbound_per_source: int = 256
+    memory_release_interval: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -69,3 +79,9 @@ class NodeConfig:
             raise ConfigError(f"max_connections must be an int >= 1, got {self.max_connections!r}")
         if not self.min_idle_s >= 0:
             raise ConfigError("min_idle_s must be >= 0")
+        for name in ("max_inbound", "max_inbound_per_source"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.memory_release_interval >= 0:
+            raise ConfigError("memory_release_interval must be >= 0")

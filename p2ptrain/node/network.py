@@ -84,6 +84,7 @@ class TCPNetwork:
             max_header_bytes=limits.max_header_bytes,
             write_high_water=limits.write_high_water,
             reuse_port=reuse_port,
+            max_handshake_frame_bytes=limits.max_handshake_frame_bytes,
         )
 
     async def connect(
@@ -96,4 +97,5 @@ class TCPNetwork:
             max_frame_bytes=limits.max_frame_bytes,
             max_header_bytes=limits.max_header_bytes,
             write_high_water=limits.write_high_water,
+            max_handshake_frame_bytes=limits.max_handshake_frame_bytes,
         )

@@ -24,10 +24,13 @@ from typing import Any
 from p2ptrain.errors import HandshakeError, RemoteProtocolError, TransportError
 from p2ptrain.handshake import perform_handshake
 from p2ptrain.identity import Identity, PeerID
+from p2ptrain.memory import release_unused_memory
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
+from p2ptrain.node.limits import InboundLimiter, RateLimitedLog
 from p2ptrain.node.network import Listener, Network, TCPNetwork
 from p2ptrain.node.router import Router
+from p2ptrain.rpc.budget import ByteBudget
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import HandlerTable, Message
 from p2ptrain.rpc.stream import RPCStream
@@ -67,6 +70,13 @@ class Node:
         self._closing = False
         self._router: Router | None = None
         self._closed_traffic: dict[str, tuple[int, int]] = {}
+        self.inbound = InboundLimiter(
+            max_total=self.config.max_inbound,
+            max_per_source=self.config.max_inbound_per_source,
+        )
+        self.reply_budget = ByteBudget(self.config.connection.max_reply_bytes_in_flight)
+        self._log = RateLimitedLog(logger)
+        self._memory_task: asyncio.Task[None] | None = None
 
     @property
     def peer_id(self) -> PeerID:
@@ -117,6 +127,10 @@ class Node:
             reuse_port=self.config.reuse_port,
         )
         logger.info("node %s listening on %s", self.peer_id.short, self.address.endpoint)
+        if self.config.memory_release_interval > 0:
+            self._memory_task = asyncio.get_running_loop().create_task(
+                self._release_memory_loop(), name="node-memory"
+            )
         if self.config.insecure_plaintext:
             logger.warning(
                 "insecure plaintext: frames after the handshake are neither encrypted nor"
@@ -213,6 +227,24 @@ class Node:
         conn = await self.connect(target)
         return await conn.open_stream(method, timeout=timeout)
 
+    async def probe(
+        self, target: PeerAddress, method: str, body: Any = None, *, timeout: float
+    ) -> Message:
+        """Call ``method`` over a fresh direct connection to ``target``, then close it.
+
+        Proves that the peer named in ``target`` answers at its address (the
+        handshake checks the PeerID), which a pooled connection it opened to
+        us does not: the DHT checks a caller's announced address this way.
+        """
+        if target.peer_id is None:
+            raise ValueError("probe() needs the PeerID expected at the address")
+        async with asyncio.timeout(timeout):
+            conn = await self._dial(target)
+            try:
+                return await conn.call(method, body, timeout=timeout)
+            finally:
+                await conn.aclose()
+
     async def abort(self) -> None:
         """Stop at once, as a crash would: no goodbye, queued data dropped.
 
@@ -227,9 +259,12 @@ class Node:
         self._closing = True
         if self._listener is not None:
             await self._listener.aclose()
-        for task in [*self._dials.values(), *self._accepts]:
+        background = [*self._dials.values(), *self._accepts]
+        if self._memory_task is not None:
+            background.append(self._memory_task)
+        for task in background:
             task.cancel()
-        await asyncio.gather(*self._dials.values(), *self._accepts, return_exceptions=True)
+        await asyncio.gather(*background, return_exceptions=True)
         await asyncio.gather(*(conn.aclose() for conn in list(self._all)), return_exceptions=True)
         self._by_peer.clear()
         self._all.clear()
@@ -266,10 +301,33 @@ class Node:
     async def _accept(self, transport: FrameTransport) -> None:
         if isinstance(transport, TCPTransport):
             await transport.connected.wait()
+        refusal = self.inbound.admit(transport)
+        if refusal is not None:
+            transport.close()
+            self._log.log(
+                logging.WARNING,
+                "inbound-cap",
+                "refused connection from %s: %s",
+                transport.remote_address,
+                refusal,
+            )
+            return
         try:
             await self._secure(transport, initiator=False, expected=None)
         except (HandshakeError, RemoteProtocolError, TransportError) as exc:
-            logger.warning("refused connection from %s: %s", transport.remote_address, exc)
+            self._log.log(
+                logging.WARNING,
+                "handshake",
+                "refused connection from %s: %s",
+                transport.remote_address,
+                _capped(str(exc)),
+            )
+
+    async def _release_memory_loop(self) -> None:
+        interval = self.config.memory_release_interval
+        while True:
+            await asyncio.sleep(interval)
+            release_unused_memory(idle_for=interval)
 
     async def adopt(
         self, transport: FrameTransport, *, initiator: bool, expected: PeerID | None = None
@@ -315,6 +373,7 @@ class Node:
             initiator=initiator,
             handlers=self.handlers,
             config=conn_config,
+            reply_budget=self.reply_budget,
         )
         self._adopt(conn)
         return conn
@@ -364,3 +423,13 @@ class Node:
         self._all.discard(conn)
         if self._by_peer.get(conn.remote_peer) is conn:
             del self._by_peer[conn.remote_peer]
+
+
+_MAX_LOGGED_REASON = 300
+
+
+def _capped(text: str) -> str:
+    """A remote-influenced reason, cut to a length fit for one log line."""
+    if len(text) <= _MAX_LOGGED_REASON:
+        return text
+    return f"{text[:_MAX_LOGGED_REASON]}… ({len(text)} characters)"

@@ -26,6 +26,20 @@ class ConnectionConfig:
         keepalive_interval: seconds of silence from the remote after which a PING
             is sent; a peer that misses ``keepalive_misses`` in a row is dropped.
         keepalive_misses: consecutive unanswered PINGs that close the connection.
+        max_handshake_frame_bytes: largest frame accepted before the peer is
+            authenticated (a handshake frame needs a few KiB); a larger one is
+            refused from its 8-byte prefix, before any buffer is allocated
+            (capped by ``max_frame_bytes``).
+        max_buffered_bytes: bytes of received messages that the application has
+            not read yet, summed over the streams of one connection; a message
+            that would pass it resets its stream with ``resource_exhausted``.
+        max_reply_bytes_in_flight: bytes of large unary replies (payloads of at
+            least 64 KiB) being sent at once, summed over every connection of
+            the node; a reply that does not fit is refused with
+            ``resource_exhausted`` instead of being held.
+        reply_send_timeout: seconds a unary reply may take to leave our send
+            buffer; a peer that does not read it by then is disconnected
+            (the reply is dropped).
     """
 
     max_frame_bytes: int = 16 * MiB + 64 * 1024
@@ -37,6 +51,10 @@ class ConnectionConfig:
     idle_timeout: float = 300.0
     keepalive_interval: float = 15.0
     keepalive_misses: int = 3
+    max_handshake_frame_bytes: int = 64 * 1024
+    max_buffered_bytes: int = 96 * MiB
+    max_reply_bytes_in_flight: int = 64 * MiB
+    reply_send_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not 4096 <= self.max_frame_bytes <= 2**32:
@@ -49,7 +67,17 @@ class ConnectionConfig:
             raise ConfigError("max_streams must be positive")
         if self.write_high_water < 1024:
             raise ConfigError("write_high_water must be at least 1024")
-        for name in ("handshake_timeout", "idle_timeout", "keepalive_interval"):
+        if not 4096 <= self.max_handshake_frame_bytes <= 2**32:
+            raise ConfigError("max_handshake_frame_bytes must be in [4096, 2**32]")
+        for name in ("max_buffered_bytes", "max_reply_bytes_in_flight"):
+            if not getattr(self, name) >= 1024:
+                raise ConfigError(f"{name} must be at least 1024")
+        for name in (
+            "handshake_timeout",
+            "idle_timeout",
+            "keepalive_interval",
+            "reply_send_timeout",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive")
         if self.keepalive_misses < 1:

@@ -50,17 +50,27 @@ from p2ptrain.errors import (
 )
 from p2ptrain.handshake import HandshakeResult
 from p2ptrain.identity import PeerID
+from p2ptrain.rpc.budget import ByteBudget
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, HandlerTable, Message, _Entry
 from p2ptrain.rpc.stream import FlowControlError, RPCStream
 from p2ptrain.transport.base import FrameTransport
-from p2ptrain.wire.frames import FLAG_END, FLAG_MESSAGE, Buffer, Frame, FrameType
+from p2ptrain.wire.frames import (
+    FLAG_END,
+    FLAG_MESSAGE,
+    Buffer,
+    Frame,
+    FrameType,
+    buffer_nbytes,
+)
 
 __all__ = ["Connection"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_METHOD = 128
+_SMALL_REPLY = 64 * 1024
+"""Replies with a smaller payload are not charged to the reply budget."""
 
 
 class Connection:
@@ -78,6 +88,7 @@ class Connection:
         initiator: bool,
         handlers: HandlerTable,
         config: ConnectionConfig,
+        reply_budget: ByteBudget | None = None,
     ) -> None:
         self.transport = transport
         self.remote_peer: PeerID = remote.peer_id
@@ -85,6 +96,9 @@ class Connection:
         self.initiator = initiator
         self._handlers = handlers
         self._config = config
+        self._reply_budget = reply_budget or ByteBudget(config.max_reply_bytes_in_flight)
+        self.buffered_bytes = 0
+        """Bytes of received messages not yet read, over every stream."""
         self._send_window = remote.stream_window
         transport.max_send_frame = remote.max_frame_bytes
         self._streams: dict[int, RPCStream] = {}
@@ -271,6 +285,9 @@ class Connection:
         if entry is None:
             self._send_reset(sid, MethodNotFoundError.code, f"no method {method!r}")
             return
+        if frame.flags & FLAG_MESSAGE and not self.can_buffer(frame.wire_size):
+            self._send_reset(sid, ResourceExhaustedError.code, self._buffer_full_reason())
+            return
         deadline = None if deadline_ms is None else self._loop.time() + deadline_ms / 1000
         stream = self._register(sid, method, deadline)
         stream.opened = True
@@ -334,6 +351,16 @@ class Connection:
         stream = self._streams.get(frame.stream_id)
         return None if stream is None else stream._payload_buffer(frame.field("b"), nbytes)
 
+    def can_buffer(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more unread bytes fit under ``max_buffered_bytes``."""
+        return self.buffered_bytes + nbytes <= self._config.max_buffered_bytes
+
+    def _buffer_full_reason(self) -> str:
+        return (
+            f"{self.buffered_bytes} bytes of this connection are unread"
+            f" (limit {self._config.max_buffered_bytes})"
+        )
+
     def _remote_stream_count(self) -> int:
         return sum(1 for sid in self._streams if sid % 2 == self._remote_parity)
 
@@ -387,7 +414,40 @@ class Connection:
         response = await entry.handler(context, request)  # type: ignore[arg-type]
         if not isinstance(response, Message):
             raise TypeError(f"unary handler {context.method!r} must return a Message")
-        await stream.send(response.body, response.payload, end=True)
+        await stream.connection._send_reply(stream, response)
+
+    async def _send_reply(self, stream: RPCStream, response: Message) -> None:
+        """Send a unary reply; a large one under the node's reply budget and a deadline.
+
+        A reply that does not fit the budget is refused (``resource_exhausted``)
+        and dropped at once. One that has not left our send buffer within
+        ``reply_send_timeout`` means a peer that does not read: it is
+        disconnected, which frees what it pinned.
+        """
+        size = buffer_nbytes(response.payload)
+        if size < _SMALL_REPLY:
+            await stream.send(response.body, response.payload, end=True)
+            return
+        budget = self._reply_budget
+        if not budget.try_take(size):
+            raise ResourceExhaustedError(
+                f"the node is busy sending {budget.used} bytes of replies;"
+                f" a reply of {size} bytes was refused, retry later"
+            )
+        try:
+            async with asyncio.timeout(self._config.reply_send_timeout):
+                await stream.send(response.body, response.payload, end=True)
+                await self.transport.drained()
+        except TimeoutError:
+            logger.info(
+                "%s did not read a %d-byte reply within %g s; disconnecting",
+                self.remote_peer.short,
+                size,
+                self._config.reply_send_timeout,
+            )
+            self.transport.close(TransportTimeoutError("the peer stopped reading"))
+        finally:
+            budget.give_back(size)
 
     async def _await_tasks(self) -> None:
         current = asyncio.current_task()

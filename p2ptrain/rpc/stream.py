@@ -41,7 +41,7 @@ PayloadTarget = Callable[[Any, int], memoryview | None]
 
 
 class FlowControlError(RemoteProtocolError):
-    """The remote sent more than the stream's window allows."""
+    """The remote sent more than the stream's window (or the connection's buffer) allows."""
 
 
 class RPCStream:
@@ -72,6 +72,7 @@ class RPCStream:
         # One frame may overdraw the window: at most a whole frame, sealed (its tags).
         self._recv_limit = recv_window + max_frame_bytes + RECORD_OVERHEAD
         self._queue: deque[tuple[Message, int]] = deque()
+        self._queued_bytes = 0  # charged to the connection's buffered_bytes
         self._recv_waiter: asyncio.Future[None] | None = None
         self._outstanding = 0  # bytes received and not yet credited back
         self._uncredited = 0  # consumed bytes waiting to be credited back
@@ -141,6 +142,7 @@ class RPCStream:
                 raise StreamEndedError(f"stream {self.method!r} ended")
             await self._wait("_recv_waiter")
         message, size = self._queue.popleft()
+        self._release_queued(size)
         self._uncredited += size
         # Credit goes back in batches of a quarter window. This cannot stall: a
         # blocked sender has >= window outstanding, so once we consume it all,
@@ -209,6 +211,11 @@ class RPCStream:
             raise FlowControlError(
                 f"remote overran the stream window ({self._outstanding} > {self._recv_limit})"
             )
+        conn = self._conn
+        if not conn.can_buffer(size):
+            raise FlowControlError(conn._buffer_full_reason())
+        conn.buffered_bytes += size
+        self._queued_bytes += size
         self._queue.append((message, size))
         _wake(self._recv_waiter)
 
@@ -238,8 +245,16 @@ class RPCStream:
             self._send_lock = asyncio.Lock()
         return self._send_lock
 
+    def _release_queued(self, size: int) -> None:
+        size = min(size, self._queued_bytes)  # 0 once _fail released them all
+        self._queued_bytes -= size
+        self._conn.buffered_bytes -= size
+
     def _fail(self, error: P2PTrainError) -> None:
         self._error = error
+        # A failed stream's unread messages no longer count against the
+        # connection (they are freed with the stream).
+        self._release_queued(self._queued_bytes)
         self._payload_target = None
         _wake(self._recv_waiter)
         _wake(self._credit_waiter)

@@ -97,6 +97,26 @@ class FrameTransport(abc.ABC):
         self._closed_event = asyncio.Event()
         self.payload_allocator: PayloadAllocator | None = None
         self._sealer: RecordSealer | None = None
+        self._frame_limit_after_auth: int | None = None
+
+    # -- before authentication ---------------------------------------------------------
+
+    def limit_frames_until_authenticated(self, max_frame_bytes: int) -> None:
+        """Refuse frames larger than ``max_frame_bytes`` until :meth:`authenticated`.
+
+        A handshake frame takes a few KiB; without this cap an unauthenticated
+        peer could make us allocate a whole ``max_frame_bytes`` payload buffer
+        per socket. The limit is checked on the frame's 8-byte prefix.
+        """
+        if self._frame_limit_after_auth is None:
+            self._frame_limit_after_auth = self._decoder.max_frame_bytes
+        self._decoder.max_frame_bytes = min(max_frame_bytes, self._frame_limit_after_auth)
+
+    def authenticated(self) -> None:
+        """The handshake authenticated the peer: lift the pre-authentication limits."""
+        if self._frame_limit_after_auth is not None:
+            self._decoder.max_frame_bytes = self._frame_limit_after_auth
+            self._frame_limit_after_auth = None
 
     # -- sending (implemented by subclasses) -------------------------------------------
 
@@ -107,6 +127,13 @@ class FrameTransport(abc.ABC):
     @abc.abstractmethod
     def send_frame_nowait(self, frame: Frame) -> int:
         """Queue a frame without waiting (never blocks); returns its wire size."""
+
+    async def drained(self) -> None:
+        """Wait until the send buffer is below its high-water mark again.
+
+        Transports without a send buffer of their own return at once.
+        """
+        return None
 
     @abc.abstractmethod
     def _abort(self, *, flush: bool) -> None:
@@ -135,12 +162,15 @@ class FrameTransport(abc.ABC):
     def start_records(self, keys: RecordKeys) -> None:
         """Seal every frame sent and open every frame received from now on.
 
-        A transport with :attr:`channel_encrypted` ignores the call.
+        A transport with :attr:`channel_encrypted` ignores the call. Either
+        way the pre-authentication limits are lifted (:meth:`authenticated`):
+        the handshake calls this once the remote proved its identity.
 
         Raises:
             RemoteProtocolError: the remote sent bytes ahead of the handshake
                 (nothing honest does), which could have been injected.
         """
+        self.authenticated()
         if self.channel_encrypted:
             return
         if self._early:

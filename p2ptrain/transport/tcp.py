@@ -32,6 +32,7 @@ __all__ = ["TCPListener", "TCPTransport", "tcp_connect", "tcp_listen"]
 logger = logging.getLogger(__name__)
 
 _READ_CHUNK = 256 * 1024
+_FIRST_READ_CHUNK = 16 * 1024  # grown to _READ_CHUNK once a read fills it (authenticated)
 _DIRECT_READ_MIN = 64 * 1024  # read straight into payloads at least this large
 
 
@@ -45,6 +46,7 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         max_header_bytes: int,
         write_high_water: int,
         path: str = "tcp-direct",
+        max_handshake_frame_bytes: int | None = None,
     ) -> None:
         FrameTransport.__init__(self)
         self.path = path
@@ -55,10 +57,13 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
-        self._read_buffer = bytearray(_READ_CHUNK)
+        self._read_buffer = bytearray(_FIRST_READ_CHUNK)
+        self._may_grow = False  # set once the peer is authenticated
         self._reading_direct = False
         self._peername = "?"
         self.connected = asyncio.Event()
+        if max_handshake_frame_bytes is not None:
+            self.limit_frames_until_authenticated(max_handshake_frame_bytes)
 
     # -- asyncio.BufferedProtocol --------------------------------------------------------
 
@@ -88,6 +93,9 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
                 self._decoder.payload_written(nbytes)
             else:
                 self._decoder.feed(memoryview(self._read_buffer)[:nbytes])
+                if nbytes == len(self._read_buffer) and self._may_grow:
+                    self._read_buffer = bytearray(_READ_CHUNK)  # busy: read more at once
+                    self._may_grow = False
         except RemoteProtocolError as exc:
             logger.warning(
                 "closing connection from %s: %s: %s", self._peername, type(exc).__name__, exc
@@ -118,6 +126,12 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
 
     # -- FrameTransport ----------------------------------------------------------------
 
+    def authenticated(self) -> None:
+        super().authenticated()
+        # An authenticated peer's read buffer grows on demand (most connections
+        # are idle or carry small messages and never need 256 KiB).
+        self._may_grow = len(self._read_buffer) < _READ_CHUNK
+
     def set_payload_allocator(self, allocator: PayloadAllocator | None) -> None:
         super().set_payload_allocator(allocator)
         self._decoder.payload_allocator = allocator
@@ -130,6 +144,10 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         if not self._can_write.is_set():
             await self._can_write.wait()
         return self.send_frame_nowait(frame)
+
+    async def drained(self) -> None:
+        if not self._can_write.is_set():
+            await self._can_write.wait()
 
     def send_frame_nowait(self, frame: Frame) -> int:
         transport = self._transport
@@ -154,7 +172,11 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
 
 
 def _make_transport_factory(
-    max_frame_bytes: int, max_header_bytes: int, write_high_water: int, path: str
+    max_frame_bytes: int,
+    max_header_bytes: int,
+    write_high_water: int,
+    path: str,
+    max_handshake_frame_bytes: int | None = None,
 ) -> Callable[[], TCPTransport]:
     def factory() -> TCPTransport:
         return TCPTransport(
@@ -162,6 +184,7 @@ def _make_transport_factory(
             max_header_bytes=max_header_bytes,
             write_high_water=write_high_water,
             path=path,
+            max_handshake_frame_bytes=max_handshake_frame_bytes,
         )
 
     return factory
@@ -177,14 +200,19 @@ async def tcp_connect(
     write_high_water: int,
     local_addr: tuple[str, int] | None = None,
     path: str = "tcp-direct",
+    max_handshake_frame_bytes: int | None = None,
 ) -> TCPTransport:
     """Open a TCP connection and return its frame transport.
 
     With ``local_addr`` the socket is bound there first with SO_REUSEADDR and
-    SO_REUSEPORT, so it can share a listening port (TCP hole punching).
+    SO_REUSEPORT, so it can share a listening port (TCP hole punching). With
+    ``max_handshake_frame_bytes``, larger frames are refused until the
+    handshake authenticates the peer.
     """
     loop = asyncio.get_running_loop()
-    factory = _make_transport_factory(max_frame_bytes, max_header_bytes, write_high_water, path)
+    factory = _make_transport_factory(
+        max_frame_bytes, max_header_bytes, write_high_water, path, max_handshake_frame_bytes
+    )
     sock: socket.socket | None = None
     try:
         async with asyncio.timeout(timeout):
@@ -250,11 +278,12 @@ async def tcp_listen(
     max_header_bytes: int,
     write_high_water: int,
     reuse_port: bool = False,
+    max_handshake_frame_bytes: int | None = None,
 ) -> TCPListener:
     """Listen on ``host:port`` (port 0 picks one) and report each new transport."""
     loop = asyncio.get_running_loop()
     base = _make_transport_factory(
-        max_frame_bytes, max_header_bytes, write_high_water, "tcp-direct"
+        max_frame_bytes, max_header_bytes, write_high_water, "tcp-direct", max_handshake_frame_bytes
     )
 
     def factory() -> TCPTransport:

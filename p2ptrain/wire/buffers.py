@@ -12,6 +12,7 @@ memoryview or tensor made from the payload keeps the view alive.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -30,7 +31,7 @@ class BufferPool:
 
     def __init__(self, *, max_idle_bytes: int = 256 << 20) -> None:
         self.max_idle_bytes = max_idle_bytes
-        self._idle: dict[int, list[np.ndarray]] = {}
+        self._idle: dict[int, list[tuple[np.ndarray, float]]] = {}
         self._idle_bytes = 0
         self._lock = threading.Lock()
         self.reused = 0
@@ -41,7 +42,7 @@ class BufferPool:
         size_class = max(_MIN_CLASS, (nbytes - 1).bit_length())
         with self._lock:
             idle = self._idle.get(size_class)
-            base = idle.pop() if idle else None
+            base = idle.pop()[0] if idle else None
             if base is not None:
                 self._idle_bytes -= base.nbytes
                 self.reused += 1
@@ -57,8 +58,30 @@ class BufferPool:
         with self._lock:
             if self._idle_bytes + base.nbytes > self.max_idle_bytes:
                 return
-            self._idle.setdefault(size_class, []).append(base)
+            self._idle.setdefault(size_class, []).append((base, time.monotonic()))
             self._idle_bytes += base.nbytes
+
+    def trim(self, *, idle_for: float = 0.0) -> int:
+        """Free the buffers that have waited for reuse at least ``idle_for`` seconds.
+
+        Buffers cycled by a running workload are reused sooner and stay;
+        those left over from a burst (or an attack) go back to the allocator.
+
+        Returns:
+            Bytes freed.
+        """
+        cutoff = time.monotonic() - idle_for
+        freed = 0
+        with self._lock:
+            for size_class, idle in list(self._idle.items()):
+                keep = [(base, since) for base, since in idle if since > cutoff]
+                freed += sum(base.nbytes for base, since in idle if since <= cutoff)
+                if keep:
+                    self._idle[size_class] = keep
+                else:
+                    del self._idle[size_class]
+            self._idle_bytes -= freed
+        return freed
 
     def reserve(self, nbytes: int) -> None:
         """Keep at least ``nbytes`` of freed buffers from now on (never lowers the cap).
