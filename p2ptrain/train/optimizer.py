@@ -18,7 +18,8 @@ A step holds ``target_batch_size`` samples by the step cut
 (:mod:`p2ptrain.train.cut`): under the default ``carry`` policy a batch that
 ends after the swarm reached the target counts toward the next step (a second
 accumulator; its gradient is one step stale), and the step's all-reduce runs
-in the background while the peer keeps computing. The vector averaged carries
+in the background while the peer computes at most ``carry_batches`` such
+batches (then it waits for the average). The vector averaged carries
 one more element, ``1 / samples``, from which every peer learns the step's
 total samples (:func:`~p2ptrain.train.averaging.group_weight`).
 
