@@ -671,7 +671,7 @@ def main() -> None:
     parser.add_argument("--target", type=int, default=256, help="target batch (--equivalence)")
     parser.add_argument(
         "--policy",
-        default="carry",
+        default="wait",
         help="step policy of the main run: carry, wait or carry:N (N = carry_batches)",
     )
     parser.add_argument(

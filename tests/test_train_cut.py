@@ -125,7 +125,10 @@ def test_carry_counts_at_most_carry_batches_toward_the_next_step_then_waits(
             tracker.report(step=0, samples=0, samples_per_s=10.0, blocked=False)
             model = torch.nn.Linear(3, 1)
             config = TrainerConfig(
-                run_id="carry", target_batch_size=target, carry_batches=carry_batches
+                run_id="carry",
+                target_batch_size=target,
+                step_policy="carry",
+                carry_batches=carry_batches,
             )
             inner = torch.optim.SGD(model.parameters(), lr=0.1)
             with CollaborativeOptimizer(inner, peer=first, config=config) as trainer:

@@ -90,7 +90,7 @@ def test_a_tracker_that_closes_tells_the_others_it_left() -> None:
             first.run(trackers[0].aclose(), timeout=10)
 
 
-@pytest.mark.parametrize("policy", ["carry", "unbounded"])
+@pytest.mark.parametrize("policy", ["wait", "carry", "unbounded"])
 def test_a_step_waiting_for_its_group_ends_at_the_stop_time(policy: str) -> None:
     """The group waits for a peer that never comes; stop_at() ends the wait on time."""
     slow = MatchmakingConfig(window=8.0, poll_interval=0.05)

@@ -13,7 +13,8 @@ The job: ``{"initial_peers": [...], "run_id": str, "target": int, "batch":
 int, "steps": int, "shard": int, "num_shards": int, "compute_s": float}``
 and optionally ``"policy"`` (the step policy, default the library's),
 ``"wait_go": true`` (train only after a line "go" on stdin) and ``"patient":
-true`` (PATIENT_MATCHMAKING and PATIENT_PROGRESS instead of the fast timings). The
+true`` (PATIENT_MATCHMAKING and PATIENT_PROGRESS instead of the fast timings,
+and training starts once all ``num_shards`` peers are online). The
 worker prints one JSON object a line: ``{"address": ...}`` once started,
 then ``{"step": n, "t": unix time, "local_rounds": k, "own": samples,
 "samples": step total or null, "digest": parameters' sha256}`` after every
@@ -214,6 +215,9 @@ def main(job: dict[str, Any]) -> None:
             return
         threading.Thread(target=_watch_stdin, daemon=True).start()
         with CollaborativeOptimizer(inner, peer=peer, config=config) as opt:
+            # Every peer in every group from the first step: start once all are seen.
+            if patient and not opt.wait_for_peers(num_shards, 60.0):
+                raise RuntimeError(f"fewer than {num_shards} peers online after 60 s")
             local = 0
             while opt.global_step < job["steps"]:
                 part = rows(local % 1000, batch, shard=shard, num_shards=num_shards)

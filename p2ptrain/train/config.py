@@ -68,12 +68,14 @@ class TrainerConfig:
             each peer. When every live peer waits, the step happens even below
             the target.
         step_policy: How a step holds the target (:mod:`p2ptrain.train.cut`):
-            ``carry`` (default) counts a batch that ends after the swarm
-            reached the target toward the next step; ``wait`` stops
-            computing when the next batch would pass the target and waits
-            for the step; ``unbounded`` adds batches until the swarm's
-            reported samples reach the target (steps then hold more than
-            the target; kept for comparison).
+            ``wait`` (default) stops computing when the next batch would
+            pass the target and waits for the step; ``carry`` counts a
+            batch that ends after the swarm reached the target toward the
+            next step (one step stale; measured 4-10 % worse loss per
+            sample than ``wait``, see docs/training.md); ``unbounded``
+            adds batches until the swarm's reported samples reach the
+            target (steps then hold more than the target; kept for
+            comparison).
         carry_batches: Under ``carry``: how many local batches a peer may
             count toward the next step before the step it closed is applied
             (the batch in flight at the cut included). Past them it waits for
@@ -101,7 +103,7 @@ class TrainerConfig:
     run_id: str
     target_batch_size: int
     max_local_samples_per_step: int | None = None
-    step_policy: str = "carry"
+    step_policy: str = "wait"
     carry_batches: int = 1
     matchmaking_lead: float | None = None
     sync_tolerance: int = 1

@@ -15,11 +15,12 @@ The loss must be a mean over the batch, so that ``grad * batch_size`` is the
 batch's sum of per-sample gradients and the sample-weighted average over the
 swarm equals the gradient of one batch of ``target_batch_size`` samples.
 A step holds ``target_batch_size`` samples by the step cut
-(:mod:`p2ptrain.train.cut`): under the default ``carry`` policy a batch that
-ends after the swarm reached the target counts toward the next step (a second
-accumulator; its gradient is one step stale), and the step's all-reduce runs
-in the background while the peer computes at most ``carry_batches`` such
-batches (then it waits for the average). The vector averaged carries
+(:mod:`p2ptrain.train.cut`): under the default ``wait`` policy a peer stops
+adding batches when the next would pass the target and waits for the step;
+under ``carry`` a batch that ends after the swarm reached the target counts
+toward the next step (a second accumulator; its gradient is one step stale),
+and the step's all-reduce runs in the background while the peer computes at
+most ``carry_batches`` such batches (then it waits for the average). The vector averaged carries
 one more element, ``1 / samples``, from which every peer learns the step's
 total samples (:func:`~p2ptrain.train.averaging.group_weight`).
 
