@@ -198,7 +198,11 @@ def _cut_points(totals: list[int]) -> list[int]:
 
 
 def run_equivalence_single(job: dict[str, Any]) -> dict[str, Any]:
-    """One process, batch = target, for ``job["samples"]`` samples; held-out loss at fractions."""
+    """One process, batch = target; held-out loss at the fractions of each of ``job["samples"]``.
+
+    ``job["samples"]`` lists the sample counts of the swarm runs compared (one
+    process trains for the largest); ``losses`` maps each count, as a string,
+    to the losses at its fractions."""
     import torch
 
     from p2ptrain.examples.charlm.model import evaluate
@@ -208,10 +212,13 @@ def run_equivalence_single(job: dict[str, Any]) -> dict[str, Any]:
     task = load_task(None)
     schedule = lr_schedule(task)
     windows = _eval_windows()
-    target, samples = job["target"], job["samples"]
-    steps = max(1, round(samples / target))
-    points = {max(1, round(f * samples / target)): f for f in FRACTIONS}
-    losses: dict[str, float] = {}
+    target, counts = job["target"], job["samples"]
+    steps = max(1, round(max(counts) / target))
+    points: dict[int, list[tuple[str, float]]] = {}
+    for samples in counts:
+        for f in FRACTIONS:
+            points.setdefault(max(1, round(f * samples / target)), []).append((str(samples), f))
+    losses: dict[str, dict[str, float]] = {str(samples): {} for samples in counts}
     started = time.perf_counter()
     compute = 0.0
     for step in range(steps):
@@ -223,7 +230,9 @@ def run_equivalence_single(job: dict[str, Any]) -> dict[str, Any]:
         task.optimizer.zero_grad()
         compute += time.perf_counter() - tic
         if step + 1 in points:
-            losses[str(points[step + 1])] = evaluate(task.model, windows)
+            value_at = evaluate(task.model, windows)
+            for key, f in points[step + 1]:
+                losses[key][str(f)] = value_at
     return {
         "samples": steps * target,
         "steps": steps,
@@ -263,6 +272,7 @@ def run_equivalence_peer(job: dict[str, Any]) -> dict[str, Any]:
             run_id=job["run_id"],
             target_batch_size=job["target"],
             step_policy=job["policy"],
+            carry_batches=job["carry_batches"],
             progress=TrainingSessionConfig(initial_peers=()).progress,
         )
         shard, shards, batch = job["shard"], job["peers"], job["batch"]
@@ -424,18 +434,28 @@ def summarize_equivalence(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def parse_policy(spec: str, carry_batches: int) -> tuple[str, int]:
+    """``carry``, ``wait`` or ``carry:N`` (carry with ``carry_batches`` = N) → (policy, N)."""
+    policy, _, limit = spec.partition(":")
+    if policy not in ("carry", "wait", "unbounded") or (limit and policy != "carry"):
+        raise SystemExit(f"unknown step policy {spec!r} (carry, wait or carry:N)")
+    return policy, int(limit) if limit else carry_batches
+
+
 def run_equivalence_swarm(
-    args: argparse.Namespace, peers: int, target: int, policy: str
+    args: argparse.Namespace, peers: int, target: int, spec: str
 ) -> dict[str, Any]:
     """One swarm run of the equivalence benchmark, summarized."""
+    policy, carry_batches = parse_policy(spec, args.carry_batches)
     base = {
         "mode": "eqpeer",
         "peers": peers,
         "batch": args.batch,
         "target": target,
         "policy": policy,
+        "carry_batches": carry_batches,
         "goal": args.steps,
-        "run_id": f"eq-{peers}x{target}-{policy}",
+        "run_id": f"eq-{peers}x{target}-{policy}-{carry_batches}",
     }
     limit = START_TIMEOUT + 10.0 * args.steps * max(1, target // 64)
     return summarize_equivalence(start_swarm(base, peers, limit))
@@ -481,22 +501,29 @@ def equivalence(args: argparse.Namespace) -> None:
             }
         )
         return
-    main_run = run_equivalence_swarm(args, args.peers, args.target, args.policy)
+    # Every policy compared runs in this one invocation, beside the same no-cut run.
+    specs = [args.policy, *filter(None, (args.compare or "").split(","))]
+    compared = [(s, run_equivalence_swarm(args, args.peers, args.target, s)) for s in specs]
+    main_run = compared[0][1]
     no_cut = run_equivalence_swarm(args, args.peers, args.target, "unbounded")
-    single_child = Child(
-        {"mode": "eqsingle", "target": args.target, "samples": main_run["samples_counted"]}
-    )
+    counts = sorted({r["samples_counted"] for _, r in compared})
+    single_child = Child({"mode": "eqsingle", "target": args.target, "samples": counts})
     try:
-        single = single_child.wait_for("result", START_TIMEOUT + 0.2 * main_run["samples_counted"])
+        single = single_child.wait_for("result", START_TIMEOUT + 0.2 * max(counts))
     finally:
         single_child.close()
     extra = [(p, t, run_equivalence_swarm(args, p, t, args.policy)) for p, t in runs[1:]]
-    ratios = [main_run["losses"][str(f)] / single["losses"][str(f)] for f in FRACTIONS]
+
+    def loss_ratios(result: dict[str, Any]) -> list[float]:
+        own = single["losses"][str(result["samples_counted"])]
+        return [result["losses"][str(f)] / own[str(f)] for f in FRACTIONS]
+
+    ratios = loss_ratios(main_run)
     rows: list[list[object]] = []
-    for name, result in (
-        (f"{args.peers} peers, {args.policy}", main_run),
+    for name, result in [
+        *((f"{args.peers} peers, {spec}", r) for spec, r in compared),
         (f"{args.peers} peers, no cut", no_cut),
-    ):
+    ]:
         rows.append(
             [
                 name,
@@ -506,8 +533,10 @@ def equivalence(args: argparse.Namespace) -> None:
                 result["first_step_samples"],
                 *(result["losses"][str(f)] for f in FRACTIONS),
                 result["samples_per_s"],
+                result["carried_fraction"],
             ]
         )
+    main_single = single["losses"][str(main_run["samples_counted"])]
     rows.append(
         [
             "1 process, batch = target",
@@ -515,8 +544,9 @@ def equivalence(args: argparse.Namespace) -> None:
             args.target,
             args.target,
             args.target,
-            *(single["losses"][str(f)] for f in FRACTIONS),
+            *(main_single[str(f)] for f in FRACTIONS),
             single["samples"] / single["wall"],
+            0.0,
         ]
     )
     print(
@@ -536,8 +566,18 @@ def equivalence(args: argparse.Namespace) -> None:
                 "loss 50%",
                 "loss 100%",
                 "samples/s",
+                "carried",
             ],
             rows,
+        )
+    )
+    print(
+        format_table(
+            ["policy", "loss ratio 25%", "50%", "100%", "samples/s vs no cut"],
+            [
+                [spec, *loss_ratios(r), r["samples_per_s"] / no_cut["samples_per_s"]]
+                for spec, r in compared
+            ],
         )
     )
     run_rows: list[list[object]] = [
@@ -592,6 +632,15 @@ def equivalence(args: argparse.Namespace) -> None:
                     brief(args.peers, args.target, main_run),
                     *(brief(p, t, r) for p, t, r in extra),
                 ],
+                "compared": [
+                    {
+                        "policy": spec,
+                        "loss_ratio": loss_ratios(r),
+                        "samples_per_s_vs_no_cut": r["samples_per_s"] / no_cut["samples_per_s"],
+                        "carried_fraction": r["carried_fraction"],
+                    }
+                    for spec, r in compared
+                ],
                 "swarm": main_run,
                 "no_cut": no_cut,
                 "single": single,
@@ -621,7 +670,16 @@ def main() -> None:
     )
     parser.add_argument("--target", type=int, default=256, help="target batch (--equivalence)")
     parser.add_argument(
-        "--policy", default="carry", choices=("carry", "wait"), help="step policy (--equivalence)"
+        "--policy",
+        default="wait",
+        help="step policy of the main run: carry, wait or carry:N (N = carry_batches)",
+    )
+    parser.add_argument(
+        "--compare",
+        help="more policies run beside the main one against the same no-cut run, e.g. wait,carry:0",
+    )
+    parser.add_argument(
+        "--carry-batches", type=int, default=1, help="carry_batches of a carry run (--equivalence)"
     )
     parser.add_argument("--also", help="more swarm runs, e.g. 8x256,4x1024 (--equivalence)")
     parser.add_argument(

@@ -237,9 +237,9 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--step-policy",
         choices=("carry", "wait"),
-        default="carry",
+        default="wait",
         help="how a step holds the target: 'carry' counts a batch that ends past it toward "
-        "the next step, 'wait' stops computing at it (default carry; docs/training.md)",
+        "the next step, 'wait' stops computing at it (default wait; docs/training.md)",
     )
     train.add_argument("--batch-size", type=int, default=16, help="local batch (default 16)")
     train.add_argument(

@@ -87,7 +87,7 @@ class TrainingSessionConfig:
         initial_peers: Addresses (``peerid@host:port``) to join through.
         run_id: The run to train in; peers with the same run id train together.
         target_batch_size: Samples the swarm accumulates before each step.
-        step_policy: How a step holds the target: ``carry`` or ``wait``
+        step_policy: How a step holds the target: ``wait`` (default) or ``carry``
             (see :mod:`p2ptrain.train.cut`).
         batch_size: Samples of each local batch.
         seconds: Seconds to train (from the moment the peer joined), or
@@ -130,7 +130,7 @@ class TrainingSessionConfig:
     initial_peers: tuple[str, ...]
     run_id: str = "charlm"
     target_batch_size: int = 256
-    step_policy: str = "carry"
+    step_policy: str = "wait"
     batch_size: int = 16
     seconds: float | None = None
     upload_mbit: float | None = None

@@ -187,3 +187,15 @@ async def _run_with_custom_parts(
     )
     for averaged, _ in results:
         assert torch.allclose(averaged, torch.full((300,), 1.0))
+
+
+async def test_an_expected_size_ends_gathering_but_keeps_every_announced_peer(
+    swarm: list[Peer],
+) -> None:
+    """A peer whose view expects 2 (it had not seen the third yet) still takes
+    all 3 that announced: a stale view must not cut a live peer out."""
+    key = "run/step-expected"
+    for peer in swarm[:3]:
+        await peer.matchmaker._announce(key)
+    candidates = await swarm[0].matchmaker._gather(key, expected=2)
+    assert {c.peer_id for c in candidates} == {p.node.peer_id for p in swarm[:3]}

@@ -93,7 +93,8 @@ def test_a_tracker_that_closes_tells_the_others_it_left() -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "by_event"), [("carry", False), ("unbounded", False), ("carry", True)]
+    ("policy", "by_event"),
+    [("wait", False), ("carry", False), ("unbounded", False), ("wait", True)],
 )
 def test_a_step_waiting_for_its_group_ends_at_the_stop_time(policy: str, by_event: bool) -> None:
     """The group waits for a peer that never comes; stop_at() ends the wait on time

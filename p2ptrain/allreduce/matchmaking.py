@@ -212,9 +212,22 @@ class Matchmaker:
         self.dht.node.handlers.remove(PLAN_METHOD)
 
     async def form_group(
-        self, key: str, *, num_elements: int, bytes_per_element: int = 4, target_batch_size: int = 1
+        self,
+        key: str,
+        *,
+        num_elements: int,
+        bytes_per_element: int = 4,
+        target_batch_size: int = 1,
+        expected: int | None = None,
     ) -> GroupPlan:
         """Join the group for ``key`` and return its plan.
+
+        Args:
+            expected: Stop gathering once this many peers announced (default
+                ``target_group_size``). The group still takes every peer that
+                announced by then, up to ``target_group_size``: an expectation
+                from a stale view must not leave out a live peer that already
+                announced.
 
         Raises:
             MatchmakingError: no group formed (too few live peers, or no plan arrived).
@@ -226,7 +239,7 @@ class Matchmaker:
         self._waiting[key] = waiter
         try:
             await self._announce(key)
-            candidates = await self._gather(key)
+            candidates = await self._gather(key, expected)
             if not self.client_mode and not waiter.done():  # no plan arrived yet
                 leader = await self._elect(key, candidates)
                 if leader is None:
@@ -264,12 +277,15 @@ class Matchmaker:
         unique = {c.peer_id: c for c in found if c is not None}
         return sorted(unique.values(), key=lambda c: c.peer_id)
 
-    async def _gather(self, key: str) -> list[_Candidate]:
+    async def _gather(self, key: str, expected: int | None = None) -> list[_Candidate]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.window
+        enough = self.config.target_group_size
+        if expected is not None:
+            enough = max(1, min(expected, enough))
         while True:
             candidates = await self._read(key)
-            if len(candidates) >= self.config.target_group_size or loop.time() >= deadline:
+            if len(candidates) >= enough or loop.time() >= deadline:
                 return candidates[: self.config.target_group_size]
             await asyncio.sleep(min(self.config.poll_interval, max(0.0, deadline - loop.time())))
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -328,14 +327,17 @@ class SwarmAverager:
     async def _form_group(self, step: int, num_elements: int, group_size: int) -> GroupPlan:
         base = self._base
         size = max(base.min_group_size, min(base.target_group_size, group_size))
-        self._matchmaker.config = dataclasses.replace(base, target_group_size=size)
+        # The expected size ends gathering early; every peer that announced by
+        # then joins (capped by the configured size): a view that had not yet
+        # seen a peer starting at the same time used to cut it out of the group.
+        self._matchmaker.config = base
         logger.debug("%s: matchmaking for step %d, group of %d", self.peer.peer_id, step, size)
         limit = base.window + 2 * base.ready_timeout + base.plan_timeout
         key = step_key(self.run_id, step)
         try:
             async with asyncio.timeout(limit):
                 plan = await self._matchmaker.form_group(
-                    key, num_elements=num_elements, target_batch_size=1
+                    key, num_elements=num_elements, target_batch_size=1, expected=size
                 )
         except TimeoutError:
             raise MatchmakingError(f"no group for step {step} within {limit:.1f} s") from None

@@ -345,6 +345,20 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         """The samples of the latest swarm step this peer applied (``None`` before one)."""
         return None if self._collab is None else self._collab.last_step
 
+    def wait_for_peers(self, count: int, timeout: float) -> bool:
+        """Wait until ``count`` peers of the run (this one included) are online.
+
+        Peers started together do not see each other's progress records at
+        once; one whose view lacks a peer expects a smaller group for the
+        first step, and a group may then form without that peer. Peers that
+        must all take part from the first step (a fixed swarm, a test) call
+        this after :meth:`start`.
+
+        Returns:
+            Whether they were within ``timeout`` seconds.
+        """
+        return self._collaboration.wait_for_peers(count, timeout)
+
     @property
     def stats(self) -> TrainerStats:
         """What the trainer did so far."""

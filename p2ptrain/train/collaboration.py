@@ -518,6 +518,20 @@ class Collaboration:
         pending = self.begin_average(step, vector, weight)
         return self.end_average(pending, blocked_since=started)
 
+    def wait_for_peers(self, count: int, timeout: float) -> bool:
+        """Wait until the swarm's view shows ``count`` peers online (this one included).
+
+        Returns:
+            Whether it did within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while self._tracker.view().peers_online < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.peer.run(self._tracker.wait_for_fetch(left), timeout=left + _RUN_MARGIN)
+        return True
+
     def expects_group(self, step: int) -> bool:
         """Whether other live peers are expected in the group of ``step``."""
         return self._tracker.view().expected_in_group(step, exclude=self.peer.peer_id) > 0

@@ -6,13 +6,13 @@ peer's, each extrapolated from its progress record in whole batches at its
 reported rate (:meth:`~p2ptrain.train.progress.SwarmProgress.estimate_samples`).
 Then, by the step policy:
 
-* ``carry`` (the default): a batch that ends after the swarm reached the
+* ``carry``: a batch that ends after the swarm reached the
   target (as estimated, or because another peer at the step closed it)
   counts toward the *next* step: the trainer keeps a second accumulator.
   Its gradient was computed on the parameters before the update (one step
   stale). A batch that brings the estimate to the target is the step's
   last; the peer closes the step and steps.
-* ``wait``: a batch always counts toward the current step. The peer closes
+* ``wait`` (the default): a batch always counts toward the current step. The peer closes
   the step when the estimate, plus what the other peers are expected to
   add while it would compute its next batch, reaches the target: it then
   waits for the step instead of computing a batch past the cut.

@@ -15,10 +15,12 @@ The loss must be a mean over the batch, so that ``grad * batch_size`` is the
 batch's sum of per-sample gradients and the sample-weighted average over the
 swarm equals the gradient of one batch of ``target_batch_size`` samples.
 A step holds ``target_batch_size`` samples by the step cut
-(:mod:`p2ptrain.train.cut`): under the default ``carry`` policy a batch that
-ends after the swarm reached the target counts toward the next step (a second
-accumulator; its gradient is one step stale), and the step's all-reduce runs
-in the background while the peer keeps computing. The vector averaged carries
+(:mod:`p2ptrain.train.cut`): under the default ``wait`` policy a peer stops
+adding batches when the next would pass the target and waits for the step;
+under ``carry`` a batch that ends after the swarm reached the target counts
+toward the next step (a second accumulator; its gradient is one step stale),
+and the step's all-reduce runs in the background while the peer computes at
+most ``carry_batches`` such batches (then it waits for the average). The vector averaged carries
 one more element, ``1 / samples``, from which every peer learns the step's
 total samples (:func:`~p2ptrain.train.averaging.group_weight`).
 
@@ -106,6 +108,7 @@ class CollaborativeOptimizer(SwarmTrainer):
         self._carry: torch.Tensor | None = None  # the next step's, under the carry policy
         self._carry_views: list[torch.Tensor] = []
         self._carried = 0
+        self._carried_batches = 0
         self._pending: tuple[PendingAverage, torch.Tensor] | None = None
         codec = config.allreduce
         self._feedback = (
@@ -158,9 +161,14 @@ class CollaborativeOptimizer(SwarmTrainer):
         collab.record_batch(batch_size)
         if self._pending is not None:  # the step is closed and averaging: carry over
             self._accumulate(batch_size, carry=True)
-            # Carry over at most as much as this peer put in the step averaging,
-            # then wait for it: the next step would be full of stale gradients.
-            if not self._pending[0].future.done() and self._carried < max(1, self._samples):
+            # Carry over at most carry_batches batches (and no more than this peer
+            # put in the step averaging), then wait for it: every carried batch
+            # is one step stale, and the next step would fill with them.
+            if (
+                not self._pending[0].future.done()
+                and self._carried_batches < self.config.carry_batches
+                and self._carried < max(1, self._samples)
+            ):
                 collab.report(step=self._step, samples=self._samples, blocked=False)
                 return False
             return self._finish_step()
@@ -193,6 +201,7 @@ class CollaborativeOptimizer(SwarmTrainer):
                 p.grad = None
         if carry:
             self._carried += batch_size
+            self._carried_batches += int(batch_size > 0)
         else:
             self._samples += batch_size
 
@@ -229,6 +238,8 @@ class CollaborativeOptimizer(SwarmTrainer):
             # Average in the background; batches computed meanwhile count toward
             # the next step, and the update is applied at the first step() after.
             self._pending = (self._collaboration.begin_average(self._step, vector, samples), vector)
+            if self._carried_batches >= self.config.carry_batches:
+                return self._finish_step()  # the batch in flight at the cut filled the carry
             return False
         averaged = self._average(vector, float(samples))
         if averaged is None:  # the swarm's state was downloaded instead
@@ -270,6 +281,7 @@ class CollaborativeOptimizer(SwarmTrainer):
             self._step += 1
         self._accumulator.zero_()
         carried, self._carried = self._carried, 0
+        self._carried_batches = 0
         if self._carry is not None:
             self._accumulator, self._carry = self._carry, self._accumulator
             self._views, self._carry_views = self._carry_views, self._views
@@ -301,6 +313,7 @@ class CollaborativeOptimizer(SwarmTrainer):
         if self._carry is not None:
             self._carry.zero_()
         self._carried = 0
+        self._carried_batches = 0
         self._pending = None
         if self._feedback is not None:
             self._feedback.reset()
