@@ -13,21 +13,17 @@ from typing import Any
 
 import pytest
 import torch
-from train_worker import WorkerProcess
+from train_worker import WorkerProcess, peer_with_absent_partner
 
-from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.allreduce.report import AllReduceReport, ShardReport
-from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.identity import Identity
-from p2ptrain.peer import Peer, PeerConfig
 from p2ptrain.train.averaging import RoundOutcome, group_weight
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.cut import Placement, StepPolicy, place_batch
 from p2ptrain.train.optimizer import CollaborativeOptimizer
 from p2ptrain.train.policy import Action, LeadTimer, decide
-from p2ptrain.train.progress import PeerProgress, ProgressConfig, aggregate
-from p2ptrain.train.tracker import ProgressTracker
+from p2ptrain.train.progress import PeerProgress, aggregate
 
 START_TIMEOUT = 60.0  # importing torch on 2 busy cores
 
@@ -108,38 +104,25 @@ def test_carry_counts_at_most_carry_batches_toward_the_next_step_then_waits(
 ) -> None:
     """A peer whose step is averaging computes carry_batches batches more, then waits."""
     batch, target = 4, 12  # the peer closes the step on its third batch
-    slow = MatchmakingConfig(window=30.0, poll_interval=0.05)  # the group never forms
-    with Peer(PeerConfig(matchmaking=slow, probe_bytes=None)) as first:
-        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_bytes=None)
-        with Peer(joined) as absent:
-            # Online at the same step (so the step averages in the background),
-            # but it never matchmakes and states no batch (not extrapolated).
-            tracker = ProgressTracker(
-                dht=absent.dht,
-                run_id="carry",
-                config=ProgressConfig(),
-                target_batch_size=target,
-                address=None,
-            )
-            absent.run(tracker.start(step=0), timeout=10)
-            tracker.report(step=0, samples=0, samples_per_s=10.0, blocked=False)
-            model = torch.nn.Linear(3, 1)
-            config = TrainerConfig(
-                run_id="carry",
-                target_batch_size=target,
-                step_policy="carry",
-                carry_batches=carry_batches,
-            )
-            inner = torch.optim.SGD(model.parameters(), lr=0.1)
-            with CollaborativeOptimizer(inner, peer=first, config=config) as trainer:
-                calls, stop = 0, time.monotonic() + 3.0
-                trainer.stop_at(stop)
-                while time.monotonic() < stop:
-                    model(torch.ones(batch, 3)).sum().backward()
-                    trainer.step(batch)
-                    calls += 1
-                carried = trainer.carried_samples
-            absent.run(tracker.aclose(), timeout=10)
+    # The partner is online at the same step (so the step averages in the
+    # background) but never matchmakes: the group never forms.
+    with peer_with_absent_partner(window=30.0, run_id="carry", target=target) as first:
+        model = torch.nn.Linear(3, 1)
+        config = TrainerConfig(
+            run_id="carry",
+            target_batch_size=target,
+            step_policy="carry",
+            carry_batches=carry_batches,
+        )
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        with CollaborativeOptimizer(inner, peer=first, config=config) as trainer:
+            calls, stop = 0, time.monotonic() + 3.0
+            trainer.stop_at(stop)
+            while time.monotonic() < stop:
+                model(torch.ones(batch, 3)).sum().backward()
+                trainer.step(batch)
+                calls += 1
+            carried = trainer.carried_samples
     assert trainer.global_step == 0  # the average never came
     # Three batches closed the step; then carry_batches batches were computed
     # while it averaged, and the next step() call waited until the stop time.

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from train_worker import peer_with_absent_partner
 
 import p2ptrain.train
 from p2ptrain.allreduce.bandwidth import ThroughputConfig
@@ -99,40 +100,26 @@ def test_a_tracker_that_closes_tells_the_others_it_left() -> None:
 def test_a_step_waiting_for_its_group_ends_at_the_stop_time(policy: str, by_event: bool) -> None:
     """The group waits for a peer that never comes; stop_at() ends the wait on time
     (at its deadline, or when its event is set from another thread)."""
-    slow = MatchmakingConfig(window=8.0, poll_interval=0.05)
-    with Peer(PeerConfig(matchmaking=slow, probe_bytes=None)) as first:
-        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_bytes=None)
-        with Peer(joined) as absent:
-            # Online and at the same step, but it never matchmakes.
-            tracker = ProgressTracker(
-                dht=absent.dht,
-                run_id="stop",
-                config=ProgressConfig(),
-                target_batch_size=4,
-                address=None,
-            )
-            absent.run(tracker.start(step=0), timeout=10)
-            tracker.report(step=0, samples=0, samples_per_s=10.0, blocked=False)
-            model = torch.nn.Linear(3, 1)
-            config = TrainerConfig(run_id="stop", target_batch_size=4, step_policy=policy)
-            inner = torch.optim.SGD(model.parameters(), lr=0.1)
-            with CollaborativeOptimizer(inner, peer=first, config=config) as trainer:
-                stop = time.monotonic() + 1.0
-                event = threading.Event()
-                if by_event:
-                    trainer.stop_at(None, event=event)
-                    threading.Timer(1.0, event.set).start()
-                else:
-                    trainer.stop_at(stop)
-                while time.monotonic() < stop and not event.is_set():
-                    model(torch.ones(4, 3)).sum().backward()
-                    trainer.step(4)
-                ended = time.monotonic()
-            assert trainer.global_step == 0  # the step never formed a group: not applied
-            # Measured about 0.5 s (the grace of a running average); bounded here
-            # far below the 8 s window it would otherwise wait.
-            assert ended - stop < 3.0, f"overran the stop time by {ended - stop:.2f} s"
-            absent.run(tracker.aclose(), timeout=10)
+    with peer_with_absent_partner(window=8.0, run_id="stop", target=4) as first:
+        model = torch.nn.Linear(3, 1)
+        config = TrainerConfig(run_id="stop", target_batch_size=4, step_policy=policy)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        with CollaborativeOptimizer(inner, peer=first, config=config) as trainer:
+            stop = time.monotonic() + 1.0
+            event = threading.Event()
+            if by_event:
+                trainer.stop_at(None, event=event)
+                threading.Timer(1.0, event.set).start()
+            else:
+                trainer.stop_at(stop)
+            while time.monotonic() < stop and not event.is_set():
+                model(torch.ones(4, 3)).sum().backward()
+                trainer.step(4)
+            ended = time.monotonic()
+        assert trainer.global_step == 0  # the step never formed a group: not applied
+        # Measured about 0.5 s (the grace of a running average); bounded here
+        # far below the 8 s window it would otherwise wait.
+        assert ended - stop < 3.0, f"overran the stop time by {ended - stop:.2f} s"
 
 
 def test_a_trainer_of_another_model_refuses_to_join_a_run() -> None:

@@ -25,6 +25,7 @@ steps not taken). It exits when done or when its stdin closes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from p2ptrain.peer import Peer, PeerConfig
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer
 from p2ptrain.train.progress import ProgressConfig
+from p2ptrain.train.tracker import ProgressTracker
 
 DIM = 8
 
@@ -142,6 +145,29 @@ def peer_config(
         dht=DHTNodeConfig(initial_peers=initial_peers, request_timeout=2.0),
         matchmaking=matchmaking,
     )
+
+
+@contextlib.contextmanager
+def peer_with_absent_partner(*, window: float, run_id: str, target: int) -> Iterator[Peer]:
+    """A started peer whose step groups wait ``window`` seconds for a second peer:
+    one online in ``run_id`` at step 0 that never matchmakes (nor states a batch)."""
+    slow = MatchmakingConfig(window=window, poll_interval=0.05)
+    with Peer(PeerConfig(matchmaking=slow, probe_bytes=None)) as first:
+        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_bytes=None)
+        with Peer(joined) as absent:
+            tracker = ProgressTracker(
+                dht=absent.dht,
+                run_id=run_id,
+                config=ProgressConfig(),
+                target_batch_size=target,
+                address=None,
+            )
+            absent.run(tracker.start(step=0), timeout=10)
+            tracker.report(step=0, samples=0, samples_per_s=10.0, blocked=False)
+            try:
+                yield first
+            finally:
+                absent.run(tracker.aclose(), timeout=10)
 
 
 def make_model(seed: int = 0) -> nn.Module:
