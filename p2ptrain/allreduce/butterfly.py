@@ -524,14 +524,15 @@ class ButterflyRound:
     def _publish(self, finalized: list[ChunkResult]) -> None:
         if not finalized:
             return
-        lossy = self.config.codec != "none"
-        codec = codec_for(self.config.codec, self.config.block_size) if lossy else None
+        name, block = self.config.codec, self.config.block_size
+        codec = codec_for(name, block) if name != "none" else None
         for result in finalized:
             if codec is not None and result.values is not None:
                 # Keep what the senders will receive, not the exact average: with
                 # a lossy codec every member must end the round with equal values.
-                header, payload = codec.encode(result.values)
-                result.values.copy_(codec.decode(header, payload, numel=result.values.numel()))
+                # The encoding is kept for the senders that ask for this codec.
+                encoded = self._encoded[(result.index, name, block)] = codec.encode(result.values)
+                result.values.copy_(codec.decode(*encoded, numel=result.values.numel()))
             for sender, reason in result.excluded:
                 self._excluded[self.index].setdefault(sender, reason)
         if self.reducer is not None and self.reducer.done:

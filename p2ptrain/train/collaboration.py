@@ -264,8 +264,9 @@ class Collaboration:
             await self._tracker.start(step=step)
 
         self.peer.run(begin())
+        view = self._tracker.view()
         foreign = self._tracker.foreign
-        ours = [r for r in self._tracker.view().records if r.peer_id != self.peer.peer_id]
+        ours = [r for r in view.records if r.peer_id != self.peer.peer_id]
         if foreign and ours:
             logger.warning(
                 "run %r: ignoring %d peers that train another model (digest %s)",
@@ -282,7 +283,6 @@ class Collaboration:
                 " (another task? give it its own --run-id)"
             )
         self._started = True
-        view = self._tracker.view()
         self._fresh = view.global_step > step
         self._stats = dataclasses.replace(self._stats, global_step=step)
         self._computing_since = time.perf_counter()
