@@ -38,6 +38,7 @@ from p2ptrain.peer import Peer
 from p2ptrain.train.averaging import RoundOutcome
 from p2ptrain.train.collaboration import (
     Collaboration,
+    PendingAverage,
     StepRecord,
     SwarmSettings,
     TrainerStats,
@@ -484,6 +485,14 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         """
         averaged, outcome = self._collaboration.average(self._step, vector, weight)
         return self._settle(averaged, outcome)
+
+    def _end_average(self, average: PendingAverage) -> tuple[torch.Tensor, RoundOutcome] | None:
+        """Wait for an average begun in the background; ``None`` if the stop time cut it off."""
+        try:
+            return self._collaboration.end_average(average)
+        except TrainingStoppedError as exc:
+            logger.info("%s", exc)
+            return None
 
     def _settle(self, averaged: torch.Tensor, outcome: RoundOutcome) -> torch.Tensor | None:
         """What :meth:`_average` returns, given the all-reduce's result for the current step."""

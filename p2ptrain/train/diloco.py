@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from p2ptrain.errors import ConfigError, TrainingStoppedError
+from p2ptrain.errors import ConfigError
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
 from p2ptrain.train.base import SwarmTrainer, check_params, load_optimizer_state
@@ -204,11 +204,10 @@ class DiLoCoOptimizer(SwarmTrainer):
         pending, self._pending = self._pending, None
         if pending is None:  # pragma: no cover - callers check
             return False
-        try:
-            averaged, outcome = self._collaboration.end_average(pending.average)
-        except TrainingStoppedError as exc:
-            logger.info("%s", exc)
+        ended = self._end_average(pending.average)
+        if ended is None:
             return False
+        averaged, outcome = ended
         settled = self._settle(averaged, outcome)
         if settled is None:  # the swarm's state was downloaded instead
             return True

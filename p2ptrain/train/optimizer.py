@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import torch
 
 from p2ptrain.allreduce.compression import get_codec
-from p2ptrain.errors import ConfigError, TrainingStoppedError
+from p2ptrain.errors import ConfigError
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
 from p2ptrain.train.averaging import group_weight
@@ -253,11 +253,10 @@ class CollaborativeOptimizer(SwarmTrainer):
         if pending is None:  # pragma: no cover - callers check
             return False
         average, vector = pending
-        try:
-            averaged, outcome = self._collaboration.end_average(average)
-        except TrainingStoppedError as exc:
-            logger.info("%s", exc)
+        ended = self._end_average(average)
+        if ended is None:
             return False
+        averaged, outcome = ended
         settled = self._settle(averaged, outcome)
         if settled is not None:
             self._apply(vector, settled, round(outcome.weight))
