@@ -266,3 +266,19 @@ def test_real_peers_hold_identical_parameters_and_count_every_sample_once() -> N
     # peers still hold toward the unfinished step (it is less than a step).
     assert counted == computed - pending
     assert 0 <= pending < target + count * batch
+
+
+def test_a_peer_one_step_behind_counts_from_when_the_reader_stepped() -> None:
+    # The reader stepped to 6 at t=100.5; its view still holds the others' records
+    # of step 5 (not yet re-read). IDS[0]'s record is older than the reader's step:
+    # it most likely stepped in the same group and computes toward 6 since t=100.5.
+    # IDS[1] wrote its step-5 record after the reader stepped: it lags, adds nothing.
+    records = [
+        PeerProgress(IDS[0], 5, 32, 40.0, 100.0, batch=16),
+        PeerProgress(IDS[1], 5, 32, 40.0, 100.6, batch=16),
+    ]
+    view = aggregate(records, target_batch_size=256, now=101.5)
+    # 1 s since t=100.5 at 40 samples/s: 40 samples, two whole batches of 16
+    assert view.estimate_samples(6, exclude=None, now=101.5, stepped_at=100.5) == 32
+    # Without the reader's step time, a record one step behind that did not close counts nothing.
+    assert view.estimate_samples(6, exclude=None, now=101.5) == 0

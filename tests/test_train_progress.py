@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -218,9 +219,32 @@ def test_rate_meter_is_a_moving_average() -> None:
     meter = RateMeter(0.5)
     assert meter.update(10, 0.0) == 0.0  # nothing measurable
     assert meter.update(10, 1.0) == 10.0  # the first measurement as is
-    assert meter.update(30, 1.0) == 20.0
+    assert meter.update(15, 1.0) == 12.5  # within 2x of the average: averaged
     with pytest.raises(ConfigError):
         RateMeter(0.0)
+    with pytest.raises(ConfigError):
+        RateMeter(0.5, jump=1.0)
+
+
+def test_rate_meter_follows_a_rate_that_jumps() -> None:
+    # The first batches of a run are slow (warm-up); once the rate is more than
+    # `jump` times the average, the average restarts from it instead of crawling.
+    meter = RateMeter(0.2, jump=2.0)
+    meter.update(2, 1.0)
+    assert meter.update(30, 1.0) == 30.0
+    assert meter.update(20, 1.0) == pytest.approx(28.0)  # back to averaging
+    assert meter.update(10, 1.0) == 10.0  # a drop by more than 2x also replaces it
+
+
+def test_a_rate_change_is_published_at_once() -> None:
+    config = ProgressConfig(publish_interval=1.0)
+    published = PeerProgress(IDS[0], 3, 16, 40.0, 100.0, batch=16)
+    same_rate = dataclasses.replace(published, samples=32, samples_per_s=50.0)
+    faster = dataclasses.replace(published, samples=32, samples_per_s=61.0)
+    kwargs = {"since_publish": 0.1, "ready": False, "config": config}
+    assert not publish_due(same_rate, published, **kwargs)
+    assert publish_due(faster, published, **kwargs)
+    assert publish_due(dataclasses.replace(faster, samples_per_s=26.0), published, **kwargs)
 
 
 @pytest.mark.parametrize(

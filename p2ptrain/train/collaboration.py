@@ -210,6 +210,7 @@ class Collaboration:
         self._closed = False
         self.last_step: StepRecord | None = None
         self._close_estimate: int | None = None
+        self._stepped_at: float | None = None  # Unix time of this peer's latest step
         self._batch = 0
         self._tolerance = settings.sync_tolerance
         self._averager = SwarmAverager(
@@ -387,7 +388,9 @@ class Collaboration:
         if policy is StepPolicy.UNBOUNDED or target is None:
             return Placement(carry=False, close=False)
         view = self._tracker.view()
-        others = view.estimate_samples(step, exclude=self.peer.peer_id, now=time.time())
+        others = view.estimate_samples(
+            step, exclude=self.peer.peer_id, now=time.time(), stepped_at=self._stepped_at
+        )
         swarm_closed = view.global_step == step and any(
             r.closed and r.peer_id != self.peer.peer_id for r in view.records if r.step == step
         )
@@ -610,6 +613,7 @@ class Collaboration:
         """
         self._fresh = False
         self._closed = False
+        self._stepped_at = time.time()
         self._stats = dataclasses.replace(self._stats, global_step=step)
         close_estimate, self._close_estimate = self._close_estimate, None
         self.last_step = StepRecord(step - 1, own, step_samples, self.settings.target_batch_size)
@@ -697,6 +701,7 @@ class Collaboration:
             self._fresh = False
             self._closed = False
             self._close_estimate = None
+            self._stepped_at = None  # it did not step with a group
             seconds = time.perf_counter() - started
             self._add(syncs=1, sync_s=seconds)
             self._stats = dataclasses.replace(self._stats, global_step=snapshot.step)

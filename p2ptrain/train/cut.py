@@ -22,7 +22,12 @@ Then, by the step policy:
 
 A closed peer says so in its progress record (``closed``), so the others
 close the step at their next batch even when their own estimate lags.
-Overshoot is then at most one batch per peer whose view was stale.
+Overshoot is then at most one batch per peer whose view was stale, as long
+as a step lasts longer than a read of the records
+(``ProgressConfig.min_fetch_interval``). A shorter step is cut by
+extrapolation alone, only as well as the reported rates predict the
+batches (each peer still stops at the target on its own, so a step never
+exceeds the number of peers times the target).
 """
 
 from __future__ import annotations

@@ -273,15 +273,36 @@ class SwarmProgress:
         """Whether a peer at the global step closed it (the step cut reached the target)."""
         return any(r.closed for r in self.records if r.step == self.global_step)
 
-    def estimate_samples(self, step: int, *, exclude: PeerID | None, now: float) -> int:
+    def estimate_samples(
+        self,
+        step: int,
+        *,
+        exclude: PeerID | None,
+        now: float,
+        stepped_at: float | None = None,
+    ) -> int:
         """Samples the live peers at ``step`` (but ``exclude``) hold now, as estimated.
 
         Each record's samples, plus the whole batches its peer computed
         since it wrote the record at its reported rate (a record is written
         at the end of a batch). A closed or blocked peer adds nothing more,
-        nor one that did not say its batch size or rate. A peer whose record
-        closed the step before (``step - 1``) has been counting its batches
-        toward ``step`` since then (its record is older than the step).
+        nor one that did not say its batch size or rate.
+
+        A record one step behind (``step - 1``) is counted from the moment
+        its peer most likely began ``step``: a record that closed the step
+        from its time (it has counted its batches toward ``step`` since); any
+        other from ``stepped_at``, the moment the reader itself began
+        ``step``, if the record is older than that (its peer was in the same
+        step and most likely stepped in the same group, its new record not
+        read yet). A record written after ``stepped_at`` that is still one
+        step behind is a lagging peer and counts nothing.
+
+        Args:
+            step: The step whose samples are estimated.
+            exclude: A peer left out (the reader).
+            now: The current time (Unix seconds).
+            stepped_at: When the reader began ``step`` (Unix seconds), if it
+                did so by a step of its own.
         """
         total = 0
         for r in self.records:
@@ -289,13 +310,18 @@ class SwarmProgress:
                 if r.step == step and r.peer_id != exclude:
                     total += r.samples
                 continue
+            since = r.time
             if r.step == step:
                 total += r.samples
                 if r.closed or r.blocked:
                     continue
-            elif not (r.step == step - 1 and r.closed):
+            elif r.step != step - 1:
                 continue
-            batches = math.floor(r.samples_per_s * max(0.0, now - r.time) / r.batch)
+            elif not r.closed:
+                if stepped_at is None or r.time > stepped_at:
+                    continue
+                since = stepped_at
+            batches = math.floor(r.samples_per_s * max(0.0, now - since) / r.batch)
             total += r.batch * min(batches, _MAX_SAMPLES // max(r.batch, 1))
         return min(total, _MAX_SAMPLES)
 
@@ -403,14 +429,23 @@ def next_fetch_delay(progress: SwarmProgress, config: ProgressConfig, *, waiting
 class RateMeter:
     """Samples per second of local compute, as an exponential moving average.
 
+    A measurement more than ``jump`` times above or below the average
+    replaces it: the rate changed regime (the first batches of a run are
+    slow while memory is allocated and other processes start; a competing
+    process ends), and an average still weighted by the old regime would
+    mislead every peer that extrapolates this one's samples from it.
+
     Args:
         smoothing: Weight of a new measurement, in (0, 1].
     """
 
-    def __init__(self, smoothing: float = 0.2) -> None:
+    def __init__(self, smoothing: float = 0.2, *, jump: float = 2.0) -> None:
         if not 0 < smoothing <= 1:
             raise ConfigError(f"smoothing must be in (0, 1], got {smoothing!r}")
+        if not 1 < jump < float("inf"):
+            raise ConfigError(f"jump must be a finite number > 1, got {jump!r}")
         self.smoothing = smoothing
+        self.jump = jump
         self.value = 0.0
         self._measured = False
 
@@ -421,7 +456,7 @@ class RateMeter:
         if seconds == 0 or samples == 0:
             return self.value
         rate = samples / seconds
-        if not self._measured:
+        if not self._measured or not self.value / self.jump <= rate <= self.value * self.jump:
             self.value, self._measured = rate, True
         else:
             self.value += self.smoothing * (rate - self.value)

@@ -32,7 +32,7 @@ from p2ptrain.train.progress import (
     next_fetch_delay,
 )
 
-__all__ = ["PROGRESS_SUBKEY", "ProgressTracker", "progress_key", "publish_due"]
+__all__ = ["PROGRESS_SUBKEY", "RATE_CHANGE", "ProgressTracker", "progress_key", "publish_due"]
 
 _LEAVE_TIMEOUT = 2.0  # seconds to publish the "left" record when closing
 
@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_SUBKEY = b"progress"
 """Name of the owner-bound sub-key each peer writes its record under."""
+
+
+RATE_CHANGE = 1.5
+"""A reported samples/s this many times above or below the published one is published at once."""
 
 
 def progress_key(run_id: str) -> str:
@@ -59,8 +63,10 @@ def publish_due(
 
     At once: the first record, a new step, a change of the blocked or closed flag, the
     first samples toward a step (they make the peer one the group waits
-    for), and samples that make the swarm ready. Other sample counts at most
-    every ``publish_interval``; the record anyway every ``heartbeat_interval``.
+    for), samples that make the swarm ready, and a rate that changed by more
+    than :data:`RATE_CHANGE` times (the others extrapolate this peer's
+    samples from it). Other sample counts at most every ``publish_interval``;
+    the record anyway every ``heartbeat_interval``.
 
     Args:
         local: The peer's latest record.
@@ -79,6 +85,9 @@ def publish_due(
         return True
     if local.samples == published.samples:
         return False
+    old_rate, new_rate = published.samples_per_s, local.samples_per_s
+    if not old_rate / RATE_CHANGE <= new_rate <= old_rate * RATE_CHANGE:
+        return True
     first = published.samples == 0  # the first samples toward a step make it a contributor
     return first or ready or since_publish >= config.publish_interval
 
