@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from p2ptrain.allreduce.group import GroupMember, GroupPlan
 from p2ptrain.allreduce.grouped import (
     GroupingConfig,
     _gather_plan,
+    _with_flags,
+    _without_flags,
     _slice_contributors,
     group_count,
     group_index,
@@ -62,11 +65,22 @@ def test_the_gather_plan_gives_each_member_its_slices_under_a_new_round_id() -> 
     gather = _gather_plan(plan, edges, bounds)
     assert gather.members == plan.members
     assert gather.round_id != plan.round_id
-    assert gather.num_elements == plan.num_elements - 1
+    # every slice is followed by its flag: plan.num_elements - 1 values, 8 flags
+    assert gather.num_elements == plan.num_elements - 1 + 8
     assert [gather.part(i) for i in range(4)] == [
-        (bounds[edges[i]], bounds[edges[i + 1]]) for i in range(4)
+        (bounds[edges[i]] + edges[i], bounds[edges[i + 1]] + edges[i + 1]) for i in range(4)
     ]
     assert gather.digest == _gather_plan(plan, edges, bounds).digest  # every member agrees
+
+
+def test_slice_flags_travel_after_their_slices_and_come_back_out() -> None:
+    bounds = slice_bounds(10, 4)  # [0, 2, 5, 7, 10]
+    average = torch.arange(10, dtype=torch.float32)
+    flagged = _with_flags(average, bounds, settled={0, 2})
+    assert flagged.tolist() == [0, 1, 1, 2, 3, 4, 0, 5, 6, 1, 7, 8, 9, 0]
+    out, flags = _without_flags(flagged, bounds)
+    assert torch.equal(out, average)
+    assert flags == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_a_slice_joins_its_column_only_if_one_set_of_members_averaged_all_of_it() -> None:

@@ -25,7 +25,11 @@ sharded, see docs/allreduce.md for why this and not Moshpit's grid):
    average.
 3. **Gather.** The group all-gathers the slices (each member's own part is the
    slices it covered) under a plan every member derives from the group's
-   plan, so this phase needs no matchmaking.
+   plan, so this phase needs no matchmaking. Each slice travels with one
+   more element, its **flag**: 1 when the member that covered it got the
+   column's complete average with the group's full weight, else 0. So a
+   member knows whether every slice it received is the global average, not
+   only the slices it covered itself.
 
 Each peer sends about ``2V`` (group) ``+ 2V/S`` (columns) ``+ V`` (gather),
 and talks to its group and one member of every other group. A column or a
@@ -41,7 +45,7 @@ import hashlib
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -139,6 +143,13 @@ class GroupedResult:
         failures: What failed, per phase and slice.
         bytes_sent: Tensor bytes this peer sent over all phases.
         reports: The all-reduce reports: group, columns, gather.
+        represented: The group members whose values this peer's slices
+            carried into their columns with the group's weight (empty when
+            its weight was 0).
+        settled: For each slice this peer covered and settled (its column
+            complete, with the group's weight), the column's members: with
+            every member's ``represented``, who is in that slice's average
+            (the simulator measures each slice against it).
     """
 
     groups: int
@@ -149,6 +160,8 @@ class GroupedResult:
     failures: tuple[str, ...] = ()
     bytes_sent: int = 0
     reports: tuple[AllReduceReport, ...] = field(default=(), repr=False)
+    represented: tuple[PeerID, ...] = ()
+    settled: tuple[tuple[int, tuple[PeerID, ...]], ...] = ()
 
 
 class GroupedAverager:
@@ -256,6 +269,7 @@ class GroupedAverager:
             raise
         reports = [group_report]
         failures: list[str] = []
+        settled: dict[int, tuple[PeerID, ...]] = {}  # covered slice -> its column's members
         contributors = _contributors_of(plan, group_report, n)
         if group_report.complete and contributors and summed[n] > 0:
             total = float(summed[n]) * len(contributors)
@@ -287,15 +301,24 @@ class GroupedAverager:
             reports.append(report)
             if not report.complete:
                 failures.append(f"column {s}: incomplete")
+            elif slice_weight > 0:
+                settled[s] = tuple(m.peer_id for m in column_plan.members)
             average[lo:hi] = values
-        # 3. the gather: each member's part is the slices it covered.
+        # 3. the gather: each member's part is the slices it covered, each with its flag.
         gather = _gather_plan(plan, edges, bounds)
-        out, gather_report = await self.service.allreduce(
-            gather, average, 1.0, config=config, gather_only=True
+        flagged = _with_flags(average, bounds, settled)
+        gathered, gather_report = await self.service.allreduce(
+            gather, flagged, 1.0, config=config, gather_only=True
         )
         reports.append(gather_report)
         if not gather_report.complete:
             failures.append("gather: incomplete")
+        out, flags = _without_flags(gathered, bounds)
+        failures += [
+            f"column {s}: not settled by the member that covered it"
+            for s in range(slices)
+            if s not in mine and flags[s] != 1.0 and gather_report.complete
+        ]
         return out, GroupedResult(
             groups=groups,
             group=plan,
@@ -305,6 +328,8 @@ class GroupedAverager:
             failures=tuple(failures),
             bytes_sent=sum(r.bytes_sent for r in reports),
             reports=tuple(reports),
+            represented=tuple(plan.members[i].peer_id for i in contributors) if total else (),
+            settled=tuple(sorted(settled.items())),
         )
 
     async def _column_plan(self, key: str, index: int, num_elements: int) -> GroupPlan:
@@ -338,13 +363,44 @@ def slice_edges(plan: GroupPlan, slices: int) -> list[int]:
 
 
 def _gather_plan(plan: GroupPlan, edges: Sequence[int], bounds: Sequence[int]) -> GroupPlan:
-    """The all-gather plan of a group: the same members, each owning its slices."""
+    """The all-gather plan of a group: the same members, each owning its slices.
+
+    The gathered vector holds every slice followed by its flag
+    (:func:`_with_flags`), so slice ``s`` starts at ``bounds[s] + s``.
+    """
     return dataclasses.replace(
         plan,
         round_id=hashlib.sha256(b"gather\0" + plan.round_id).digest()[:16],
-        boundaries=tuple(bounds[e] for e in edges),
+        boundaries=tuple(bounds[e] + e for e in edges),
         predicted_time=None,
     )
+
+
+def _with_flags(
+    average: torch.Tensor, bounds: Sequence[int], settled: Collection[int]
+) -> torch.Tensor:
+    """``average`` with a flag after each slice: 1.0 for the ``settled`` slices, else 0.0."""
+    slices = len(bounds) - 1
+    flagged = torch.zeros(average.numel() + slices, dtype=average.dtype)
+    for s in range(slices):
+        lo, hi = bounds[s], bounds[s + 1]
+        flagged[lo + s : hi + s] = average[lo:hi]
+        flagged[hi + s] = 1.0 if s in settled else 0.0
+    return flagged
+
+
+def _without_flags(
+    flagged: torch.Tensor, bounds: Sequence[int]
+) -> tuple[torch.Tensor, list[float]]:
+    """The inverse of :func:`_with_flags`: the vector and each slice's flag."""
+    slices = len(bounds) - 1
+    out = torch.empty(bounds[-1], dtype=flagged.dtype)
+    flags = []
+    for s in range(slices):
+        lo, hi = bounds[s], bounds[s + 1]
+        out[lo:hi] = flagged[lo + s : hi + s]
+        flags.append(float(flagged[hi + s]))
+    return out, flags
 
 
 def _contributors_of(plan: GroupPlan, report: AllReduceReport, element: int) -> tuple[int, ...]:

@@ -30,15 +30,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from p2ptrain.allreduce.grouped import GroupedAverager, GroupedResult, GroupingConfig
+from p2ptrain.allreduce.grouped import (
+    GroupedAverager,
+    GroupedResult,
+    GroupingConfig,
+    slice_bounds,
+    slice_edges,
+)
 from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
 from p2ptrain.allreduce.partition import PeerCapacity
 from p2ptrain.allreduce.service import AllReduceService
@@ -361,13 +368,13 @@ class Simulation:
         live_ids = {p.peer_id for p in live}
         live_weight = sum(weights[i] for i in live_ids)
         counted_weight = sum(weights[i] for i in counted & live_ids)
-        exact = torch.zeros(self.config.vector_elements, dtype=torch.float64)
-        total = sum(weights[i] for i in counted)
-        for i in counted:
-            exact += vectors[i].double() * (weights[i] / total)
+        exact = _weighted_average(counted, vectors, weights, self.config.vector_elements)
         scale = float(exact.abs().max()) if counted else 1.0
+        slices = _SliceReference(outcomes, vectors, weights, self.config.grouping.group_size)
         errors = [
-            float((out.double() - exact).abs().max()) / scale
+            slices.error(out, grouped, scale)
+            if grouped.groups > 1
+            else float((out.double() - exact).abs().max()) / scale
             for out, grouped in outcomes.values()
             if grouped.complete
         ]
@@ -412,3 +419,75 @@ class Simulation:
                 max_entries = max(max_entries, len(sizes))
                 max_value = max(max_value, sum(sizes))
         return records, value_bytes, max_entries, max_value
+
+
+def _weighted_average(
+    members: Iterable[PeerID],
+    vectors: dict[PeerID, torch.Tensor],
+    weights: dict[PeerID, float],
+    num_elements: int,
+) -> torch.Tensor:
+    """The float64 weighted average of ``members``' vectors (zeros for none)."""
+    members = list(members)
+    exact = torch.zeros(num_elements, dtype=torch.float64)
+    total = sum(weights[i] for i in members)
+    for i in members:
+        exact += vectors[i].double() * (weights[i] / total)
+    return exact
+
+
+class _SliceReference:
+    """What each slice of a grouped result should hold, from every peer's account.
+
+    A complete peer's slice ``s`` came from the group mate that covered it,
+    whose column's members each carried their group's ``represented``
+    members with the group's weight: the exact reference of that slice is
+    the weighted average of those members' vectors. Columns may differ in
+    which groups they hold (a member that died before its column), so each
+    slice is measured against its own reference, not one for the vector.
+    """
+
+    def __init__(
+        self,
+        outcomes: dict[PeerID, tuple[torch.Tensor, GroupedResult]],
+        vectors: dict[PeerID, torch.Tensor],
+        weights: dict[PeerID, float],
+        slices: int,
+    ) -> None:
+        self._results = {peer: grouped for peer, (_, grouped) in outcomes.items()}
+        self._slices = slices
+        self._vectors = vectors
+        self._weights = weights
+
+    def error(self, out: torch.Tensor, grouped: GroupedResult, scale: float) -> float:
+        """max |slice - its reference| / ``scale`` over the slices of ``out`` (inf if unknown)."""
+        plan = grouped.group
+        bounds = slice_bounds(out.numel(), self._slices)
+        edges = slice_edges(plan, self._slices)
+        worst = 0.0
+        for member, (first, last) in enumerate(itertools.pairwise(edges)):
+            cover = self._results.get(plan.members[member].peer_id)
+            if cover is None:  # the member that covered these slices died after the gather
+                return math.inf
+            columns = dict(cover.settled)
+            for s in range(first, last):
+                contributors = self._contributors(columns.get(s), s)
+                if contributors is None:
+                    return math.inf
+                lo, hi = bounds[s], bounds[s + 1]
+                parts = {i: self._vectors[i][lo:hi] for i in contributors}
+                exact = _weighted_average(contributors, parts, self._weights, hi - lo)
+                worst = max(worst, float((out[lo:hi].double() - exact).abs().max()) / scale)
+        return worst
+
+    def _contributors(self, column: tuple[PeerID, ...] | None, index: int) -> set[PeerID] | None:
+        if column is None:
+            return None
+        members: set[PeerID] = set()
+        for rep in column:
+            result = self._results.get(rep)
+            if result is None:
+                return None  # a column member whose account is lost: unknown
+            if index in dict(result.settled):
+                members.update(result.represented)
+        return members
