@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import time
@@ -33,18 +34,21 @@ def procs() -> Iterator[list[ChildLines]]:
 def _wait_for_joint_step(peer: ChildLines, deadline: float) -> dict[str, Any]:
     """The first progress event showing a step averaged with another peer."""
     while True:
-        event = json.loads(peer.next_line(deadline))
+        try:
+            event = json.loads(peer.next_line(deadline))
+        except queue.Empty:
+            raise AssertionError(f"no joint step in time: {''.join(peer.stderr)[-3000:]}") from None
         if event["event"] == "progress" and event["rounds"] >= 1 and event["peers_online"] >= 2:
             return dict(event)
 
 
 def test_two_peers_train_and_status_lists_them(procs: list[ChildLines]) -> None:
-    deadline = time.monotonic() + 50
+    deadline = time.monotonic() + 120  # a deadline, not a wait: it ends at the first joint step
     boot = cli_process("bootstrap", "--port", "0")
     procs.append(boot)
     assert "ready" in boot.next_line(deadline)
     address = boot.next_line(deadline).split("--join", 1)[1].strip()
-    train_args = ("train", "--join", address, "--run-id", "t", "--seconds", "60")
+    train_args = ("train", "--join", address, "--run-id", "t", "--seconds", "150")
     # A step of several reads of the progress records (min_fetch_interval): a
     # step shorter than a read is cut by extrapolation alone (p2ptrain/train/cut.py).
     sizes = ("--target-batch-size", "128", "--batch-size", "4", "--log-json", "-")
