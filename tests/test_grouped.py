@@ -11,9 +11,9 @@ from p2ptrain.allreduce.group import GroupMember, GroupPlan
 from p2ptrain.allreduce.grouped import (
     GroupingConfig,
     _gather_plan,
+    _slice_contributors,
     _with_flags,
     _without_flags,
-    _slice_contributors,
     group_count,
     group_index,
     slice_bounds,
