@@ -252,7 +252,9 @@ def test_one_model_per_run_through_the_command_line(
     procs.append(boot)
     assert "ready" in boot.next_line(deadline)
     address = boot.next_line(deadline).split("--join", 1)[1].strip()
-    common = ["train", "--join", address, "--seconds", "8", "--target-batch-size", "32"]
+    # Long enough that the wrong peer, started after them, finds them still in
+    # the run on a loaded machine (its start alone took over 8 s at load 10).
+    common = ["train", "--join", address, "--seconds", "25", "--target-batch-size", "32"]
     common += ["--batch-size", "8", "--log-json", "-", "--torch-threads", "1", "--log-digest"]
     peers = [cli_process(*common, "--task", str(task_file)) for _ in range(2)]
     procs.extend(peers)
