@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -77,10 +78,13 @@ def add_wan_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--up-mbit", type=float, default=50.0, help="upload of every home link")
     group.add_argument("--down-mbit", type=float, default=100.0, help="download of every link")
     group.add_argument("--rtt-ms", type=float, default=20.0, help="round trip between two peers")
-    group.add_argument("--width", type=int, default=256, help="charlm d_model (--wan)")
+    group.add_argument("--width", type=int, default=192, help="charlm d_model (--wan)")
     group.add_argument("--layers", type=int, default=4, help="charlm blocks (--wan)")
-    group.add_argument("--heads", type=int, default=8, help="charlm attention heads (--wan)")
+    group.add_argument("--heads", type=int, default=6, help="charlm attention heads (--wan)")
     group.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (--wan)")
+    group.add_argument(
+        "--warmup", type=int, default=5, help="global steps of linear lr warm-up (--wan)"
+    )
     group.add_argument(
         "--target-loss", type=float, default=3.0, help="held-out loss of time_to_loss_s"
     )
@@ -115,7 +119,7 @@ def resolve_wan_defaults(args: argparse.Namespace) -> None:
     if args.batch is None:
         args.batch = 8
     if args.target is None:
-        args.target = 64
+        args.target = 128
     if args.inner_steps is None:
         args.inner_steps = 4
     if args.carry_batches is None:
@@ -168,6 +172,7 @@ def _job(args: argparse.Namespace, system: str, index: int, host: str) -> dict[s
         "target": args.target,
         "goal": args.steps,
         "lr": args.lr,
+        "warmup": args.warmup,
         "width": args.width,
         "layers": args.layers,
         "heads": args.heads,
@@ -229,18 +234,19 @@ def summarize(raw: dict[str, Any], target_loss: float) -> dict[str, Any]:
     results = raw["results"]
     wall = max(r["wall"] for r in results)
     losses = raw["losses"]
-    reached = next((at for _step, at, value in losses if value <= target_loss), None)
+    reached = next((at for _step, at, _samples, value in losses if value <= target_loss), None)
     out: dict[str, Any] = {
         "samples_per_s": sum(r["samples"] for r in results) / wall,
         "comm_fraction": sum(r["blocked_s"] / r["wall"] for r in results) / len(results),
         "mb_sent_per_peer": sum(raw["sent"]) / len(raw["sent"]) / 1e6,
         "time_to_loss_s": reached,
-        "final_loss": losses[-1][2],
+        "final_loss": losses[-1][3],
+        "final_samples": losses[-1][2],
         "global_steps": min(r["global_step"] for r in results),
         "samples": sum(r["samples"] for r in results),
         "wall_s": wall,
         "upload_drops": sum(raw["drops"]),
-        "losses": [[step, round(at, 3), round(value, 5)] for step, at, value in losses],
+        "losses": [[step, round(at, 3), n, round(value, 5)] for step, at, n, value in losses],
     }
     if "communication_s" in results[0]:  # p2ptrain's own account of blocked time
         out["p2ptrain_comm_fraction"] = sum(
@@ -254,6 +260,20 @@ def summarize(raw: dict[str, Any], target_loss: float) -> dict[str, Any]:
     return out
 
 
+def loss_at(losses: list[list[float]], samples: float) -> float:
+    """The held-out loss after ``samples`` samples, interpolated linearly between kept copies.
+
+    ``losses`` rows are ``[step, seconds, samples, loss]`` in step order.
+    """
+    points = [(row[2], row[3]) for row in losses]
+    if samples <= points[0][0]:
+        return points[0][1]
+    for (n0, v0), (n1, v1) in itertools.pairwise(points):
+        if n0 <= samples <= n1:
+            return v1 if n1 == n0 else v0 + (v1 - v0) * (samples - n0) / (n1 - n0)
+    return points[-1][1]
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
@@ -264,8 +284,10 @@ def checks(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     sync, overlap, hive = (runs.get(k) for k in ("p2ptrain_sync", "p2ptrain_overlap", "hivemind"))
     if sync and overlap:
         comm = _ratio(overlap["comm_fraction"], sync["comm_fraction"])
-        loss = _ratio(overlap["final_loss"], sync["final_loss"])
+        same = min(sync["final_samples"], overlap["final_samples"])
+        loss = _ratio(loss_at(overlap["losses"], same), loss_at(sync["losses"], same))
         out["overlap_comm_vs_sync"] = comm
+        out["loss_compared_at_samples"] = same
         out["overlap_hides_80pct"] = comm is not None and comm <= 0.2
         out["overlap_loss_vs_sync"] = loss
         out["overlap_loss_within_2pct"] = loss is not None and abs(loss - 1) <= 0.02

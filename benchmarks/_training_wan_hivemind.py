@@ -42,6 +42,7 @@ from benchmarks._training_wan_model import (
     Recorder,
     build,
     emit,
+    lr_factor,
     param_groups,
     serve_after_training,
     train,
@@ -69,6 +70,9 @@ def main(job: dict[str, Any]) -> None:
         batch_size_per_step=job["batch"],
         params=param_groups(model),
         optimizer=lambda groups: torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99)),
+        scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(
+            inner, lambda epoch: lr_factor(job, epoch)
+        ),
         offload_optimizer=True,
         delay_optimizer_step=True,
         delay_grad_averaging=True,
@@ -89,17 +93,13 @@ def main(job: dict[str, Any]) -> None:
         opt.step()
         opt.zero_grad()
 
-    def report() -> dict[str, Any]:
-        # The last epoch's update may still run in the background: wait for it
-        # (counted as blocked) so that the final parameters include it.
-        tic = recorder.since_go()
-        opt.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
-        recorder.blocked_s += recorder.since_go() - tic
-        if recorder.keep:
-            with torch.no_grad():
-                params = [p.detach().clone() for p in model.parameters()]
-            recorder.snapshots.append((opt.local_epoch, recorder.since_go(), params))
-        return {}
+    def applied() -> int:
+        # An epoch's update is applied in the background and installed by a
+        # later step(); the step that opens epoch e first waits for the update
+        # of epoch e - 1 (hivemind's _update_global_epoch). So when local_epoch
+        # reads e, e - 1 updates are in the parameters: the global step
+        # comparable to p2ptrain's (updates applied).
+        return max(0, opt.local_epoch - 1)
 
     try:
         emit({"ready": True})
@@ -109,8 +109,9 @@ def main(job: dict[str, Any]) -> None:
             commands,
             compute=compute,
             step=step,
-            global_step=lambda: opt.local_epoch,
-            report=report,
+            global_step=applied,
+            samples=lambda: applied() * job["target"],  # an epoch holds about the target
+            report=dict,
         )
         if trained:
             serve_after_training(recorder, job, commands)

@@ -40,6 +40,7 @@ __all__ = [
     "Recorder",
     "build",
     "emit",
+    "lr_factor",
     "param_groups",
     "serve_after_training",
     "train",
@@ -63,6 +64,11 @@ def build(job: dict[str, Any]) -> tuple[torch.nn.Module, BatchSampler]:
     return model, sampler
 
 
+def lr_factor(job: dict[str, Any], global_step: int) -> float:
+    """Linear warm-up over ``job["warmup"]`` global steps (after k steps: (k + 1) / warmup)."""
+    return min(1.0, (global_step + 1) / max(1, job["warmup"]))
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float = 0.01) -> list[dict[str, Any]]:
     """charlm's AdamW groups: decay on matrices and embeddings only."""
     params = list(model.parameters())
@@ -82,26 +88,28 @@ class Recorder:
         self.blocked_s = 0.0
         self.batches = 0
         self.samples = 0
-        self.snapshots: list[tuple[int, float, list[torch.Tensor]]] = []
+        self.snapshots: list[tuple[int, float, int, list[torch.Tensor]]] = []
         self._last_step = -1
 
     def go(self) -> None:
         """Start the clock (the parent said ``go``) and keep the initial parameters."""
         self.started = time.perf_counter()
-        self.mark(0)
+        self.mark(0, 0)
 
     def since_go(self) -> float:
         return time.perf_counter() - self.started
 
-    def mark(self, global_step: int) -> None:
-        """Note the global step after a ``step()``; keeps a copy when it changed."""
+    def mark(self, global_step: int, samples: int) -> None:
+        """Note the global step after a ``step()``; keeps a copy when it changed.
+
+        ``samples`` is what the swarm's steps so far held, all peers together."""
         if global_step == self._last_step:
             return
         self._last_step = global_step
         if self.keep:
             with torch.no_grad():
                 params = [p.detach().clone() for p in self.model.parameters()]
-            self.snapshots.append((global_step, self.since_go(), params))
+            self.snapshots.append((global_step, self.since_go(), samples, params))
 
     def result(self, **extra: Any) -> dict[str, Any]:
         """What the worker reports after training."""
@@ -114,14 +122,14 @@ class Recorder:
         }
 
     def losses(self, windows: torch.Tensor) -> list[list[float]]:
-        """``[global step, seconds since go, held-out loss]`` of every kept copy."""
+        """``[global step, seconds since go, samples, held-out loss]`` of every kept copy."""
         out = []
         params = list(self.model.parameters())
         with torch.no_grad():
-            for step, at, values in self.snapshots:
+            for step, at, samples, values in self.snapshots:
                 for p, v in zip(params, values, strict=True):
                     p.copy_(v)
-                out.append([step, at, evaluate(self.model, windows)])
+                out.append([step, at, samples, evaluate(self.model, windows)])
         return out
 
 
@@ -157,6 +165,7 @@ def train(
     compute: Callable[[int], None],
     step: Callable[[], None],
     global_step: Callable[[], int],
+    samples: Callable[[], int],
     report: Callable[[], dict[str, Any]],
 ) -> bool:
     """Train from ``go``; report at the goal step; keep training until ``stop``.
@@ -165,7 +174,8 @@ def train(
     parent, holding every peer's result, says ``stop``: a peer that stood
     still would hold the others' last step (a DiLoCo round waits for every
     live peer). ``compute(i)`` runs the forward and backward of local batch
-    ``i``; ``step()`` is timed as blocked. Returns False if told to quit
+    ``i``; ``step()`` is timed as blocked; ``samples()`` is what the swarm's
+    steps held so far. Returns False if told to quit
     before ``go``.
     """
     if commands.get() != "go":
@@ -184,7 +194,7 @@ def train(
         recorder.blocked_s += recorder.since_go() - tic
         recorder.batches += 1
         recorder.samples += batch
-        recorder.mark(global_step())
+        recorder.mark(global_step(), samples())
         if global_step() >= job["goal"]:
             emit({"result": recorder.result(global_step=global_step(), **report())})
             reported = True

@@ -40,6 +40,7 @@ from benchmarks._training_wan_model import (
     Recorder,
     build,
     emit,
+    lr_factor,
     param_groups,
     serve_after_training,
     train,
@@ -115,8 +116,20 @@ def main(job: dict[str, Any]) -> None:
         shard, shards, batch = job["shard"], job["peers"], job["batch"]
 
         def compute(index: int) -> None:
+            for group in inner.param_groups:
+                group["lr"] = job["lr"] * lr_factor(job, trainer.global_step)
             value = loss(model, sampler.batch(index, batch, shard=shard, num_shards=shards))
             value.backward()  # type: ignore[no-untyped-call]
+
+        def counted() -> int:
+            # The swarm's samples in the steps so far, read from each step's
+            # all-reduce (CollaborativeOptimizer); a DiLoCo round holds
+            # peers x H x batch samples.
+            stats, step = trainer.stats, trainer.global_step
+            if system == "p2ptrain_diloco":
+                return step * job["peers"] * job["inner_steps"] * batch
+            # a step applied without a count (alone, or downloaded) counts as the target
+            return stats.step_samples + max(0, step - stats.steps_counted) * job["target"]
 
         def report() -> dict[str, Any]:
             stats = trainer.stats
@@ -144,6 +157,7 @@ def main(job: dict[str, Any]) -> None:
                 compute=compute,
                 step=lambda: trainer.step(batch) and None,
                 global_step=lambda: trainer.global_step,
+                samples=counted,
                 report=report,
             )
         if trained:

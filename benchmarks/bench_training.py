@@ -685,7 +685,7 @@ def main() -> None:
         "--equivalence", action="store_true", help="samples per step and loss vs one process"
     )
     parser.add_argument(
-        "--target", type=int, default=None, help="target batch (default 256; 64 with --wan)"
+        "--target", type=int, default=None, help="target batch (default 256; 128 with --wan)"
     )
     parser.add_argument(
         "--policy",
