@@ -20,7 +20,15 @@ data with local batches of ``--batch``, until its global step reaches
   round (``peers × batch × H`` samples a round), overlapped rounds unless
   ``--diloco-sync``;
 * ``hivemind``: hivemind.Optimizer with delayed parameter updates, target
-  ``--target`` (see ``_training_wan_hivemind.py`` for its settings).
+  ``--target`` (see ``_training_wan_hivemind.py`` for its settings). Its
+  global step is the number of updates in the parameters: ``local_epoch - 1``
+  (the step that opens epoch e first installs the update of epoch e - 1).
+
+Every system warms the learning rate up linearly over ``--warmup`` global
+steps (after k steps, ``lr · (k + 1) / warmup``; hivemind through a
+``LambdaLR`` it steps once per epoch). A peer that reached the goal trains
+on, unrecorded, until every peer of its system has, so that none stands
+still while another finishes its last step.
 
 All peers send fp16. The parent says ``go`` to every peer of a system at
 once; a system's figures are:
@@ -37,7 +45,15 @@ once; a system's figures are:
 * ``time_to_loss_s``: seconds from ``go`` until the first global step after
   which the held-out loss (``--eval-windows`` validation windows, scored
   after the run on the copies of peer 0's parameters kept at every global
-  step) is at most ``--target-loss``; ``null`` if never.
+  step) is at most ``--target-loss``; ``null`` if never;
+* ``final_loss`` / ``final_samples``: the held-out loss after the last
+  global step and the samples the swarm's steps held until then (p2ptrain
+  counts them in every all-reduce; a DiLoCo round holds peers × H × batch,
+  a hivemind epoch is counted as the target).
+
+The overlapped mode's loss is compared with the synchronous mode's at the
+same number of samples (the smaller of their ``final_samples``, each curve
+interpolated linearly between global steps).
 
 Nothing is shared between the systems but the machine: absolute rates move
 with its load, ratios within one invocation are the result.
