@@ -79,7 +79,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 P2PTRAIN_WORKER = HERE / "_training_wan_peer.py"
 HIVEMIND_WORKER = HERE / "_training_wan_hivemind.py"
-DEFAULT_HIVEMIND_PYTHON = "/opt/hivemind-venv/bin/python"
 SYSTEMS = ("p2ptrain_sync", "p2ptrain_overlap", "p2ptrain_diloco", "hivemind")
 START_TIMEOUT = 180.0
 
@@ -114,7 +113,7 @@ def add_wan_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--hivemind-python",
         default=None,
-        help=f"interpreter with hivemind (default {DEFAULT_HIVEMIND_PYTHON} if present)",
+        help="interpreter that can import hivemind, e.g. a separate venv's (default: this one)",
     )
     group.add_argument(
         "--matchmaking-time", type=float, default=3.0, help="hivemind's matchmaking_time"
@@ -314,8 +313,17 @@ def checks(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["best_p2ptrain"] = best
         out["best_vs_hivemind_samples_per_s"] = speed
         out["best_1_5x_hivemind"] = speed is not None and speed >= 1.5
-        mine, theirs = ours[best]["time_to_loss_s"], hive["time_to_loss_s"]
+        theirs = hive["time_to_loss_s"]
+        mine = ours[best]["time_to_loss_s"]
         out["best_reaches_loss_sooner"] = mine is not None and (theirs is None or mine < theirs)
+        reached = {k: v["time_to_loss_s"] for k, v in ours.items() if v["time_to_loss_s"]}
+        if reached:  # the p2ptrain mode first at the target loss, whatever its samples/s
+            first = min(reached, key=lambda k: reached[k])
+            out["first_to_loss"] = first
+            out["first_to_loss_vs_hivemind_time"] = _ratio(reached[first], theirs)
+            out["first_to_loss_vs_hivemind_samples_per_s"] = _ratio(
+                ours[first]["samples_per_s"], hive["samples_per_s"]
+            )
     return out
 
 
@@ -441,9 +449,4 @@ def run_wan(args: argparse.Namespace) -> None:
 def _hivemind_python(args: argparse.Namespace) -> tuple[str | None, str]:
     if args.no_hivemind:
         return None, "hivemind skipped: --no-hivemind"
-    requested = args.hivemind_python
-    if requested is None:
-        if not Path(DEFAULT_HIVEMIND_PYTHON).exists():
-            return None, f"hivemind skipped: {DEFAULT_HIVEMIND_PYTHON} is absent"
-        requested = DEFAULT_HIVEMIND_PYTHON
-    return find_hivemind(requested)
+    return find_hivemind(args.hivemind_python)

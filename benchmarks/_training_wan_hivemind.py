@@ -2,7 +2,7 @@
 
 Usage (by ``_training_wan.py``, inside the peer's namespace)::
 
-    /opt/hivemind-venv/bin/python benchmarks/_training_wan_hivemind.py JOB_JSON
+    HIVEMIND_PYTHON benchmarks/_training_wan_hivemind.py JOB_JSON
 
 The same model, seed, data shard, local batch, AdamW and target batch as the
 p2ptrain peers, trained with ``hivemind.Optimizer`` configured as its

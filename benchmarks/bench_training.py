@@ -50,12 +50,14 @@ adds swarm runs of other sizes (``peers x target``) to the ``runs`` list::
 ``--wan`` (root: network namespaces) trains a larger charlm on 4 peers behind
 shaped home links (50 up / 100 down Mbit/s, 20 ms RTT) with p2ptrain's
 synchronous, overlapped and DiLoCo trainers and with hivemind.Optimizer
-(from ``--hivemind-python``, default /opt/hivemind-venv/bin/python; left out
-with a printed reason if absent or with ``--no-hivemind``), and reports per
+(run by ``--hivemind-python``, default this interpreter; left out with a
+printed reason where it cannot import hivemind, or with ``--no-hivemind``),
+and reports per
 system samples/s, communication fraction, MB sent per peer and the time to
 a fixed held-out loss, with ratios against hivemind (``_training_wan.py``)::
 
-    python benchmarks/bench_training.py --wan [--steps 20] [--png wan.png]
+    python benchmarks/bench_training.py --wan [--steps 20] [--png wan.png] \
+        [--hivemind-python PATH]
 """
 
 from __future__ import annotations
