@@ -215,13 +215,15 @@ def run_system(args: argparse.Namespace, system: str, python: str) -> dict[str, 
     workers: list[_Worker] = []
     with StarLab(links, delay_ms=args.rtt_ms / 2) as lab:
         try:
+            # All start at once; the others learn the first peer's address on stdin.
             for index in range(args.peers):
                 job = _job(args, system, index, lab.host_address(index))
-                if index:
-                    first = workers[0].expect("address", START_TIMEOUT)
-                    job["initial_peers"] = first if isinstance(first, list) else [first]
+                job["initial_peers"] = None if index else []
                 log = logs / f"peer{index}.log"
                 workers.append(_Worker(lab, index, script, job, python, log))
+            first = workers[0].expect("address", START_TIMEOUT)
+            for worker in workers[1:]:
+                worker.send(json.dumps(first if isinstance(first, list) else [first]))
             for worker in workers:
                 worker.expect("ready", START_TIMEOUT)
             before = lab.counters()

@@ -42,6 +42,7 @@ from benchmarks._training_wan_model import (
     Recorder,
     build,
     emit,
+    initial_peers,
     lr_factor,
     param_groups,
     serve_after_training,
@@ -59,7 +60,7 @@ def main(job: dict[str, Any]) -> None:
     dht = hivemind.DHT(
         start=True,
         host_maddrs=[f"/ip4/{job['host']}/tcp/0"],
-        initial_peers=job["initial_peers"] or None,
+        initial_peers=initial_peers(job) or None,
     )
     emit({"address": [str(a) for a in dht.get_visible_maddrs()]})
     lr = job["lr"]

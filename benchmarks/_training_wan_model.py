@@ -7,21 +7,23 @@ nothing else of p2ptrain).
 
 A worker speaks JSON lines on stdout and reads plain commands on stdin:
 
-1. it announces its address (``{"address": ...}``), then, once its trainer is
-   built, ``{"ready": true}``;
+1. it announces its address (``{"address": ...}``; a worker started without
+   initial peers first reads them from stdin as a JSON list), then, once its
+   trainer is built, ``{"ready": true}``;
 2. on ``go`` it trains until its global step reaches ``goal``, recording on
    the way the seconds its training thread spent inside the trainer's
    ``step()`` and, on the peer with ``keep`` set, a copy of the parameters at
    every global step with the time since ``go``; it then sends
    ``{"result": {...}}`` and trains on, unrecorded, until ``stop`` (so that
    no peer stands still while another still finishes its last step);
-3. after ``stop`` it leaves the run; on ``eval`` it scores every kept copy on
-   the held-out windows and sends ``{"losses": [...]}``; on ``quit`` or the
-   end of its input it exits.
+3. after ``stop``, on ``eval``, it scores every kept copy on the held-out
+   windows and sends ``{"losses": [...]}``; on ``quit`` or the end of its
+   input it leaves the run and exits.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import sys
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 
-from p2ptrain.examples.charlm.data import BatchSampler, load_corpus
+from p2ptrain.examples.charlm.data import BatchSampler, Corpus, load_corpus
 from p2ptrain.examples.charlm.model import ModelConfig, evaluate, make_model
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "Recorder",
     "build",
     "emit",
+    "initial_peers",
     "lr_factor",
     "param_groups",
     "serve_after_training",
@@ -53,6 +56,23 @@ def emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+@functools.cache
+def _corpus() -> Corpus:
+    return load_corpus()
+
+
+def initial_peers(job: dict[str, Any]) -> list[str]:
+    """The job's initial peers; ``None`` there: read them as a JSON list from stdin's first line.
+
+    (The parent starts every worker at once and tells the others the first
+    peer's address when it has it.)
+    """
+    if job["initial_peers"] is not None:
+        return list(job["initial_peers"])
+    line = sys.stdin.readline()
+    return list(json.loads(line)) if line else []
+
+
 def build(job: dict[str, Any]) -> tuple[torch.nn.Module, BatchSampler]:
     """The job's model (seeded: every peer of every system starts equal) and data."""
     torch.set_num_threads(job["threads"])
@@ -60,7 +80,7 @@ def build(job: dict[str, Any]) -> tuple[torch.nn.Module, BatchSampler]:
         d_model=job["width"], n_layers=job["layers"], n_heads=job["heads"], seed=job["seed"]
     )
     model = make_model(config)
-    sampler = load_corpus().sampler(seq_len=config.context, seed=job["seed"])
+    sampler = _corpus().sampler(seq_len=config.context, seed=job["seed"])
     return model, sampler
 
 
@@ -207,7 +227,7 @@ def serve_after_training(recorder: Recorder, job: dict[str, Any], commands: Comm
         command = commands.get()
         if command == "eval":
             context = recorder.model.config.context  # type: ignore[union-attr]
-            windows = load_corpus().validation_windows(job["eval_windows"], seq_len=context)
+            windows = _corpus().validation_windows(job["eval_windows"], seq_len=context)
             emit({"losses": recorder.losses(windows)})
         elif command == "quit":
             return

@@ -40,6 +40,7 @@ from benchmarks._training_wan_model import (
     Recorder,
     build,
     emit,
+    initial_peers,
     lr_factor,
     param_groups,
     serve_after_training,
@@ -63,12 +64,10 @@ def main(job: dict[str, Any]) -> None:
     )
     from p2ptrain.train.base import SwarmTrainer
 
-    model, sampler = build(job)
-    inner = torch.optim.AdamW(param_groups(model), lr=job["lr"], betas=(0.9, 0.99))
     cli = TrainingSessionConfig(initial_peers=())
     peer_config = PeerConfig(
         node=NodeConfig(host=job["host"], port=0),
-        dht=DHTNodeConfig(initial_peers=tuple(job["initial_peers"])),
+        dht=DHTNodeConfig(initial_peers=tuple(initial_peers(job))),
         matchmaking=MatchmakingConfig(
             window=cli.matchmaking_window, poll_interval=0.05, plan_timeout=5.0
         ),
@@ -77,7 +76,9 @@ def main(job: dict[str, Any]) -> None:
     codec = AllReduceConfig(codec=job["compression"])
     system = job["system"]
     with Peer(peer_config) as peer:
-        emit({"address": peer.address})
+        emit({"address": peer.address})  # first: the others join meanwhile
+        model, sampler = build(job)
+        inner = torch.optim.AdamW(param_groups(model), lr=job["lr"], betas=(0.9, 0.99))
         # The start-up bandwidth probe (4 MiB each way to the initial peer) is a
         # joining cost, not a training one: let it end before "ready".
         peer.run(peer.probed(), timeout=120.0)
@@ -160,8 +161,8 @@ def main(job: dict[str, Any]) -> None:
                 samples=counted,
                 report=report,
             )
-        if trained:
-            serve_after_training(recorder, job, commands)
+            if trained:  # before leaving the run: closing may wait for a last average
+                serve_after_training(recorder, job, commands)
 
 
 if __name__ == "__main__":
