@@ -16,9 +16,9 @@ A worker speaks JSON lines on stdout and reads plain commands on stdin:
    every global step with the time since ``go``; it then sends
    ``{"result": {...}}`` and trains on, unrecorded, until ``stop`` (so that
    no peer stands still while another still finishes its last step);
-3. after ``stop``, on ``eval``, it scores every kept copy on the held-out
-   windows and sends ``{"losses": [...]}``; on ``quit`` or the end of its
-   input it leaves the run and exits.
+3. after ``stop`` it leaves the run; on ``eval`` it scores every kept copy on
+   the held-out windows and sends ``{"losses": [...]}``; on ``quit`` or the
+   end of its input it exits.
 """
 
 from __future__ import annotations

@@ -149,6 +149,8 @@ def main(job: dict[str, Any]) -> None:
                 "step_samples": stats.step_samples,
             }
 
+        # Every peer leaves the run on "stop" (a DiLoCo peer still in step()
+        # then stops waiting for the others' round) before peer 0 evaluates.
         with trainer:
             emit({"ready": True})
             trained = train(
@@ -161,8 +163,8 @@ def main(job: dict[str, Any]) -> None:
                 samples=counted,
                 report=report,
             )
-            if trained:  # before leaving the run: closing may wait for a last average
-                serve_after_training(recorder, job, commands)
+        if trained:
+            serve_after_training(recorder, job, commands)
 
 
 if __name__ == "__main__":
