@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 __all__ = [
     "READY_PREFIX",
@@ -60,14 +60,26 @@ class JsonChild:
 
     The worker is ``python SCRIPT *args`` run from ``root`` with ``root`` on
     ``PYTHONPATH``; lines that are not JSON objects are ignored. An empty
-    message marks the end of its output.
+    message marks the end of its output. ``python`` picks another interpreter,
+    ``prefix`` goes before the command line (e.g. ``ip netns exec NS``), and
+    ``stderr`` (an open file) receives the worker's standard error.
     """
 
-    def __init__(self, script: str | Path, args: Sequence[str], *, root: Path) -> None:
+    def __init__(
+        self,
+        script: str | Path,
+        args: Sequence[str],
+        *,
+        root: Path,
+        python: str = sys.executable,
+        prefix: Sequence[str] = (),
+        stderr: IO[bytes] | None = None,
+    ) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, str(script), *args],
+            [*prefix, python, str(script), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=stderr,
             text=True,
             cwd=root,
             env={**os.environ, "PYTHONPATH": str(root)},

@@ -46,6 +46,18 @@ adds swarm runs of other sizes (``peers x target``) to the ``runs`` list::
 
     python benchmarks/bench_training.py --equivalence --peers 4 --target 256 \
         --batch 16 --steps 100 --also 8x256,4x1024
+
+``--wan`` (root: network namespaces) trains a larger charlm on 4 peers behind
+shaped home links (50 up / 100 down Mbit/s, 20 ms RTT) with p2ptrain's
+synchronous, overlapped and DiLoCo trainers and with hivemind.Optimizer
+(run by ``--hivemind-python``, default this interpreter; left out with a
+printed reason where it cannot import hivemind, or with ``--no-hivemind``),
+and reports per
+system samples/s, communication fraction, MB sent per peer and the time to
+a fixed held-out loss, with ratios against hivemind (``_training_wan.py``)::
+
+    python benchmarks/bench_training.py --wan [--steps 20] [--png wan.png] \
+        [--hivemind-python PATH]
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ if str(ROOT) not in sys.path:  # the example model lives at the repository root
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import DefaultsHelpFormatter, JsonChild, emit_json, format_table
+from benchmarks._training_wan import add_wan_arguments, run_wan
 
 START_TIMEOUT = 120.0
 
@@ -655,12 +668,27 @@ def main() -> None:
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--peers", type=int, default=4, help="peers of the swarm")
-    parser.add_argument("--batch", type=int, default=16, help="local batch of every peer")
-    parser.add_argument("--steps", type=int, default=8, help="swarm steps of the plain run")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="local batch of every peer (default 16; 8 with --wan)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="global steps of a swarm run (default 8; 20 with --wan)",
+    )
     parser.add_argument(
         "--batches-per-step", type=int, default=4, help="local batches per peer per swarm step"
     )
-    parser.add_argument("--inner-steps", type=int, default=20, help="H of the DiLoCo run")
+    parser.add_argument(
+        "--inner-steps",
+        type=int,
+        default=None,
+        help="H of the DiLoCo run (default 20; 4 with --wan)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="outer steps of the DiLoCo run")
     parser.add_argument(
         "--single-batches", type=int, default=60, help="batches of the one-process baseline"
@@ -668,7 +696,9 @@ def main() -> None:
     parser.add_argument(
         "--equivalence", action="store_true", help="samples per step and loss vs one process"
     )
-    parser.add_argument("--target", type=int, default=256, help="target batch (--equivalence)")
+    parser.add_argument(
+        "--target", type=int, default=None, help="target batch (default 256; 128 with --wan)"
+    )
     parser.add_argument(
         "--policy",
         default="wait",
@@ -679,7 +709,10 @@ def main() -> None:
         help="more policies run beside the main one against the same no-cut run, e.g. wait,carry:0",
     )
     parser.add_argument(
-        "--carry-batches", type=int, default=1, help="carry_batches of a carry run (--equivalence)"
+        "--carry-batches",
+        type=int,
+        default=None,
+        help="carry_batches of a carry run (default 1; with --wan a step's batches per peer)",
     )
     parser.add_argument("--also", help="more swarm runs, e.g. 8x256,4x1024 (--equivalence)")
     parser.add_argument(
@@ -687,10 +720,23 @@ def main() -> None:
         action="store_true",
         help="only the swarm runs' samples per step, no loss or no-cut comparison (--equivalence)",
     )
+    add_wan_arguments(parser)
     args = parser.parse_args()
     if args.worker is not None:
         worker_main(json.loads(args.worker))
         return
+    if args.wan:
+        run_wan(args)
+        return
+    for name, default in (
+        ("batch", 16),
+        ("steps", 8),
+        ("inner_steps", 20),
+        ("target", 256),
+        ("carry_batches", 1),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.equivalence:
         equivalence(args)
         return
