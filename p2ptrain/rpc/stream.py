@@ -213,8 +213,8 @@ class RPCStream:
             )
         conn = self._conn
         if not conn.can_buffer(size):
-            raise FlowControlError(conn._buffer_full_reason())
-        conn.buffered_bytes += size
+            raise FlowControlError(conn._buffer_full_reason(size))
+        conn._charge_unread(size)
         self._queued_bytes += size
         self._queue.append((message, size))
         _wake(self._recv_waiter)
@@ -248,7 +248,7 @@ class RPCStream:
     def _release_queued(self, size: int) -> None:
         size = min(size, self._queued_bytes)  # 0 once _fail released them all
         self._queued_bytes -= size
-        self._conn.buffered_bytes -= size
+        self._conn._release_unread(size)
 
     def _fail(self, error: P2PTrainError) -> None:
         self._error = error
