@@ -79,6 +79,11 @@ class DHTConfig:
         ping_timeout: How long the routing table waits for the result of the
             PING it asked for before it asks again; the node should give up on
             that PING sooner than this.
+        max_per_subnet: Most contacts of one bucket from one public /24
+            (IPv4) or /64 (IPv6), so one operator's addresses cannot fill the
+            buckets (an S/Kademlia-style diversity limit). Loopback, private
+            and other non-global addresses are exempt (a LAN swarm). ``None``
+            disables the limit.
         relaxed_split: Also split a full bucket that does not hold our own id
             when the newcomer would be among the *k* closest contacts to our
             own id (Kademlia paper, section 4.2), so a peer knows its whole
@@ -102,6 +107,7 @@ class DHTConfig:
     replacement_cache_size: int = 20
     ping_timeout: float = 10.0
     relaxed_split: bool = True
+    max_per_subnet: int | None = 2
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS_MIN_ONE:
@@ -121,6 +127,8 @@ class DHTConfig:
                 )
         if self.max_contacts_per_reply is not None:
             _check_int("max_contacts_per_reply", self.max_contacts_per_reply, minimum=1)
+        if self.max_per_subnet is not None:
+            _check_int("max_per_subnet", self.max_per_subnet, minimum=1)
         if not isinstance(self.relaxed_split, bool):
             raise ConfigError(f"DHTConfig.relaxed_split must be a bool, got {self.relaxed_split!r}")
 
