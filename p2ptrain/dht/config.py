@@ -22,6 +22,7 @@ _INT_FIELDS_MIN_ONE = (
     "max_key_bytes",
     "max_value_bytes",
     "max_subkeys",
+    "max_subkeys_per_owner",
     "max_records",
     "max_store_bytes",
     "max_bytes_per_source",
@@ -53,6 +54,12 @@ class DHTConfig:
         max_value_bytes: Longest accepted value (the msgpack-encoded bytes the
             node stores). 64 KiB by default.
         max_subkeys: Most sub-keys one dictionary value may hold at a time.
+            When full, a new entry of a higher rank (signed over unsigned,
+            owner-bound over signed) takes the place of the lowest-ranked
+            entry that expires first; otherwise it is refused.
+        max_subkeys_per_owner: Most live sub-keys of one dictionary signed
+            by one owner, so one identity cannot fill a shared dictionary
+            (the package's own records use one sub-key per peer).
         max_store_bytes: Most bytes of records (keys, sub-keys, values and a
             fixed overhead each) one node stores.
         max_bytes_per_source: Most of those bytes the records sent by one
@@ -96,6 +103,7 @@ class DHTConfig:
     max_key_bytes: int = 512
     max_value_bytes: int = 64 * 1024
     max_subkeys: int = 256
+    max_subkeys_per_owner: int = 16
     max_records: int = 100_000
     max_store_bytes: int = 256 * 1024 * 1024
     max_bytes_per_source: int = 32 * 1024 * 1024
