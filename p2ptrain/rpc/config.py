@@ -47,11 +47,14 @@ class ConnectionConfig:
             starve another peer's small requests.
         connection_reserve_streams: streams each connection may hold open
             outside ``max_node_streams``, for the same reason.
-        handler_timeout: seconds a handler may run; at the caller's
-            deadline if that is sooner. Past it the handler is cancelled and
-            the caller gets ``deadline_exceeded`` saying the server's limit
-            ran out. Stream methods registered with ``unbounded=True`` (a
-            rendezvous registration, a relayed circuit) are exempt.
+        handler_timeout: seconds a stream the peer opened may stay open on
+            our side (its handler running, or its end awaited); checked every
+            quarter of it (at most every ``keepalive_interval``), so at most
+            1.25 times this. Past it the stream is reset, its handler
+            cancelled, and the caller gets ``deadline_exceeded`` saying the
+            server's limit ran out. The caller's own deadline still applies.
+            Stream methods registered with ``unbounded=True`` (a rendezvous
+            registration, a relayed circuit) are exempt.
         max_reply_bytes_in_flight: bytes of large unary replies (payloads of at
             least 64 KiB) being sent at once, summed over every connection of
             the node; a reply that does not fit is refused with

@@ -315,6 +315,8 @@ class Connection:
         deadline = None if deadline_ms is None else self._loop.time() + deadline_ms / 1000
         stream = self._register(sid, method, deadline)
         stream.opened = True
+        if not entry.unbounded:  # enforced by _expire_handlers, without a timer per call
+            stream.handler_limit = self._loop.time() + self._config.handler_timeout
         if frame.flags & FLAG_MESSAGE:
             stream._on_message(Message(frame.field("b"), frame.payload), frame.wire_size)
         if frame.ends_stream:
@@ -429,27 +431,14 @@ class Connection:
 
     async def _serve(self, stream: RPCStream, entry: _Entry, context: CallContext) -> None:
         stream.handler_started = True
-        # The caller's deadline, cut to the node's handler time limit.
-        limit = None if entry.unbounded else self._loop.time() + self._config.handler_timeout
-        deadline = stream.deadline
-        server_limit = limit is not None and (deadline is None or limit < deadline)
-        if server_limit:
-            deadline = limit
         try:
-            if deadline is None:
+            if stream.deadline is None:
                 await self._run_handler(stream, entry, context)
             else:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(stream.deadline):
                     await self._run_handler(stream, entry, context)
         except TimeoutError:
-            if server_limit:
-                stream.reset(
-                    DeadlineExceededError.code,
-                    f"the handler of {context.method!r} ran past the server's limit of"
-                    f" {self._config.handler_timeout:g} s",
-                )
-            else:
-                stream.reset(DeadlineExceededError.code, "deadline passed on the server")
+            stream.reset(DeadlineExceededError.code, "deadline passed on the server")
         except RPCError as exc:
             stream.reset(exc.code, exc.message)
         except StreamEndedError:
@@ -528,10 +517,16 @@ class Connection:
     async def _maintain(self) -> None:
         """Keepalive PINGs while the remote is silent; close when idle too long."""
         interval = self._config.keepalive_interval
+        tick = min(interval, self._config.handler_timeout / 4)
+        next_keepalive = self._loop.time() + interval
         misses = 0
         while not self.closed:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(tick)
             now = self._loop.time()
+            self._expire_handlers(now)
+            if now < next_keepalive:
+                continue
+            next_keepalive = now + interval
             if self._streams:
                 self.idle_since = None
             elif self.idle_since is None:
@@ -554,6 +549,21 @@ class Connection:
                     return
             except ConnectionClosedError:
                 return
+
+    def _expire_handlers(self, now: float) -> None:
+        """Reset the streams whose handler ran past ``handler_timeout`` (cancelling it).
+
+        Checked every quarter of the limit (at most every keepalive interval),
+        so a handler ends within 1.25 times the limit.
+        """
+        for stream in list(self._streams.values()):
+            limit = stream.handler_limit
+            if limit is not None and now >= limit and not stream.finished:
+                stream.reset(
+                    DeadlineExceededError.code,
+                    f"the handler of {stream.method!r} ran past the server's limit of"
+                    f" {self._config.handler_timeout:g} s",
+                )
 
     # -- sending -----------------------------------------------------------------------
 

@@ -85,6 +85,8 @@ class RPCStream:
         self._payload_target: PayloadTarget | None = None
         self.handler_task: asyncio.Task[None] | None = None
         self.handler_started = False
+        self.handler_limit: float | None = None
+        """Loop time past which the node resets a stream it serves (handler_timeout)."""
         self.opened = False
         """Whether the remote knows of this stream (its OPEN was sent or received)."""
 
