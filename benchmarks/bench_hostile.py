@@ -11,6 +11,12 @@ process (this script with ``--attack NAME``), in turn:
   times on one connection and never read (the issue: +480 MB held).
 * ``unread_streams``: 20 streams to a unary method, each sent ~30 MiB that
   nobody reads (the issue: +830 MB).
+* ``unread_streams_spread``: the same spread over 8 connections (8
+  identities), 3 streams of ~30 MiB each: every connection stays under its
+  own 96 MiB cap, the node-wide cap is what holds (720 MiB sent).
+* ``stream_flood``: 16 connections each open 1,000 streams to a unary method
+  and never send the request, so 16,000 handlers would wait (per-connection
+  cap 1,024; the node-wide cap is what holds).
 * ``preauth_frames``: 64 sockets each announcing a 16 MiB first frame and
   sending 1 MiB of it (the issue: ~1 GB for the handshake timeout).
 * ``socket_flood``: 2,000 sockets that connect and stay silent.
@@ -80,6 +86,8 @@ from p2ptrain.wire.frames import pack_body
 ATTACKS = (
     "reply_amplification",
     "unread_streams",
+    "unread_streams_spread",
+    "stream_flood",
     "preauth_frames",
     "socket_flood",
     "dictionary_wipe",
@@ -228,6 +236,22 @@ async def attack(name: str, victim: str, others: list[str]) -> None:
                 await stream.send(request)
                 await stream.send(None, chunk)
                 await stream.send(None, chunk)
+    elif name in ("unread_streams_spread", "stream_flood"):
+        spread = name == "unread_streams_spread"
+        chunk = b"x" * (15 << 20)
+        request = FindRequest(NodeID(1), None, None).encode()
+        for _ in range(8 if spread else 16):
+            extra = Node(identity=Identity.generate())  # dials only: no listener
+            held.append(extra)
+            conn = await extra.connect(target)
+            for _ in range(3 if spread else 1000):
+                stream = await conn.open_stream(METHOD_FIND)
+                held.append(stream)
+                if spread:
+                    with contextlib.suppress(Exception):  # reset once past a cap
+                        await stream.send(request)
+                        await stream.send(None, chunk)
+                        await stream.send(None, chunk)
     elif name == "preauth_frames":
         for _ in range(64):
             _reader, writer = await asyncio.open_connection(target.host, target.port)

@@ -17,11 +17,11 @@ from test_dht_node import (  # noqa: F401 - make_dht is a fixture
     swarm,
 )
 
-from p2ptrain.dht import ValueWithExpiration
+from p2ptrain.dht import DHTConfig, ValueWithExpiration
 from p2ptrain.dht.protocol import METHOD_PING, FindReply, FindRequest, PingRequest, StoreOutcome
-from p2ptrain.dht.records import Record
+from p2ptrain.dht.records import Record, owner_bound_key, sign_record
 from p2ptrain.dht.routing import Contact, NodeID
-from p2ptrain.identity import PeerID
+from p2ptrain.identity import Identity, PeerID
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.wire.frames import pack_body
 
@@ -64,6 +64,45 @@ async def test_a_signed_entry_displaces_an_unsigned_plain_record_stored_first(
     assert await alice.store(key, {"a": 1}, alice.now() + 60, subkey=alice.owned_key("m"))
     found = await carol.get_dictionary(key)
     assert [v.value for v in found.values()] == [{"a": 1}]
+
+
+FILLABLE = DHTConfig(max_value_bytes=1024, max_key_bytes=64, max_subkeys=32)
+"""Room for 32 sub-keys: twice what one owner may sign (max_subkeys_per_owner, 16)."""
+
+
+@pytest.mark.parametrize("signer", ["one identity", "unsigned"])
+async def test_an_attacker_cannot_fill_a_shared_dictionary(
+    make_dht: DHTFactory,  # noqa: F811 - the fixture imported above
+    make_node: NodeFactory,
+    signer: str,
+) -> None:
+    """One identity's owner-bound entries, or unsigned ones, used to fill a shared
+    dictionary up to max_subkeys, after which honest peers' entries were refused."""
+    alice, bob, carol = await swarm(make_dht, 3, dht=FILLABLE)
+    attacker = await make_node()
+    key = b"run/progress"
+    exp = alice.now() + 3600
+    mallory = Identity.generate()
+    records = []
+    for i in range(FILLABLE.max_subkeys):
+        value = pack_body({"samples": 10**6})
+        if signer == "unsigned":
+            records.append(Record(key, value, exp, b"fill/%d" % i))
+        else:
+            sub = owner_bound_key(b"p%d" % i, mallory.public_key)
+            signature = sign_record(mallory, key, sub, value, exp)
+            records.append(Record(key, value, exp, sub, mallory.public_key, signature))
+    for peer in (alice, bob, carol):
+        statuses = await raw_store(attacker, peer, *records)
+        stored = sum(s.outcome is StoreOutcome.STORED for s in statuses)
+        # One owner gets its share and no more; unsigned entries all fit, for now.
+        assert stored == (32 if signer == "unsigned" else 16), statuses
+    # The dictionary is full (unsigned) or half full (one owner): an honest
+    # peer's signed entry is still stored, displacing an unsigned one if need be.
+    assert await bob.store(key, {"samples": 20}, bob.now() + 30, subkey=bob.owned_key("p"))
+    found = await carol.get_dictionary(key)
+    assert found[bob.owned_key("p")].value == {"samples": 20}
+    assert len(found) == (32 if signer == "unsigned" else 17)
 
 
 async def test_a_close_id_node_cannot_forge_an_unsigned_value(

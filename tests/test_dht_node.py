@@ -644,6 +644,23 @@ async def test_client_mode_peers_never_enter_routing_tables(make_dht: DHTFactory
     assert {p.peer_id for p in client.known_peers()} == {s.peer_id for s in servers}
 
 
+async def test_peers_joining_at_once_through_one_peer_learn_of_each_other(
+    make_dht: DHTFactory,
+) -> None:
+    """A greeting is answered once the greeted peer checked the caller's address
+    (verify_callers), so each join lookup finds the peers that joined before it."""
+    first = await make_dht()
+    assert first.dht_node.config.verify_callers  # the default
+    joiners = await asyncio.gather(*(make_dht(first) for _ in range(4)))
+    peers = [first, *joiners]
+    for peer in peers:
+        await asyncio.wait_for(peer.dht_node.callers_verified(), 5)
+    for peer in peers:
+        assert {c.peer_id for c in peer.dht_node.routing_table} == {
+            p.peer_id for p in peers if p is not peer
+        }, peer.peer_id.short
+
+
 async def test_bootstrap_from_plain_address_and_failures(
     make_dht: DHTFactory, make_node: NodeFactory
 ) -> None:

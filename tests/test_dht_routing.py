@@ -366,3 +366,61 @@ def test_relaxed_split_keeps_the_k_closest_to_own_id(own: int, seed: int, k: int
     closest = sorted(set(inserted), key=lambda n: n ^ own)[:k]
     assert set(closest) <= set(ids_of(t))
     check_invariants(t, k)
+
+
+# -- one operator's addresses cannot fill a bucket ----------------------------------------------
+
+
+def test_a_bucket_takes_at_most_two_contacts_of_one_public_subnet() -> None:
+    t = table(k=20)
+    added = [
+        t.add_or_update(contact(TOP + i, f"1.2.3.{i}:4000"), now=1.0).status for i in range(10)
+    ]
+    # The same /24 through other spellings: another port, an IPv4-mapped IPv6 address.
+    added.append(t.add_or_update(contact(TOP + 50, "1.2.3.99:5000"), now=1.0).status)
+    added.append(t.add_or_update(contact(TOP + 51, "[::ffff:1.2.3.77]:4000"), now=1.0).status)
+    six = [f"[2a00:1450:4001:81a::{i:x}]:4000" for i in range(1, 6)]
+    added += [t.add_or_update(contact(TOP + 60 + i, a), now=1.0).status for i, a in enumerate(six)]
+    others = ["1.2.4.1:4000", "5.6.7.8:4000", "[2a00:1450:4001:81b::1]:4000"]
+    for i, address in enumerate(others):
+        assert t.add_or_update(contact(TOP + 100 + i, address), now=1.0).status is AddStatus.ADDED
+    assert len(t) == 2 + 2 + len(others)  # two of the /24, two of the /64, the others
+    assert added.count(AddStatus.CROWDED) == 8 + 2 + 3
+    assert t.get(contact(TOP + 2).peer_id) is None  # not cached as a replacement either
+    # The first two stay; a repeat of a known contact is an update, not a newcomer.
+    assert t.add_or_update(contact(TOP, "1.2.3.0:4000"), now=2.0).status is AddStatus.UPDATED
+
+
+def test_local_and_private_addresses_are_not_capped() -> None:
+    t = table(k=20)
+    addresses = [f"127.0.0.1:{4000 + i}" for i in range(5)]
+    addresses += [f"192.168.1.{i}:4000" for i in range(5)]
+    addresses += [f"node-{i}.example:4000" for i in range(3)]  # host names: not parsed
+    for i, address in enumerate(addresses):
+        assert t.add_or_update(contact(TOP + i, address), now=1.0).status is AddStatus.ADDED
+    assert len(t) == len(addresses)
+    off = table(k=20, max_per_subnet=None)
+    for i in range(5):
+        off.add_or_update(contact(TOP + i, f"1.2.3.{i}:4000"), now=1.0)
+    assert len(off) == 5
+    with pytest.raises(ConfigError):
+        DHTConfig(max_per_subnet=0)
+
+
+def test_a_replacement_of_a_full_subnet_is_not_promoted() -> None:
+    t = table(k=2, relaxed_split=False)
+    assert t.add_or_update(contact(TOP + 1, "1.2.3.1:4000"), now=1.0).status is AddStatus.ADDED
+    assert t.add_or_update(contact(TOP + 2, "5.6.7.8:4000"), now=1.0).status is AddStatus.ADDED
+    # Full bucket: newcomers wait as replacements (one per /24 room left: 1.2.3.x has one).
+    assert t.add_or_update(contact(TOP + 3, "1.2.3.3:4000"), now=2.0).status in (
+        AddStatus.PING_NEEDED,
+        AddStatus.CACHED,
+    )
+    assert t.add_or_update(contact(TOP + 4, "9.9.9.9:4000"), now=3.0).status in (
+        AddStatus.PING_NEEDED,
+        AddStatus.CACHED,
+    )
+    # 5.6.7.8 fails for good: the newest replacement (9.9.9.9) takes its place.
+    for _ in range(3):
+        t.mark_failed(contact(TOP + 2).peer_id)
+    assert {c.address for c in t} == {"1.2.3.1:4000", "9.9.9.9:4000"}

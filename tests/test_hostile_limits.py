@@ -13,13 +13,14 @@ import struct
 import pytest
 from conftest import NodeFactory
 
-from p2ptrain.errors import ResourceExhaustedError
+from p2ptrain.errors import DeadlineExceededError, ResourceExhaustedError
 from p2ptrain.memory import malloc_trim, release_unused_memory
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.limits import RateLimitedLog
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.budget import ByteBudget
 from p2ptrain.rpc.config import ConnectionConfig
+from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.transport.tcp import TCPTransport
@@ -129,6 +130,120 @@ async def test_unread_stream_data_is_capped_per_connection(make_node: NodeFactor
     (server_conn,) = server.connections()
     assert server_conn.buffered_bytes <= 1 << 20
     assert not conn.closed
+    await assert_healthy(server, client)
+
+
+async def stall_server(make_node: NodeFactory, limits: ConnectionConfig) -> Node:
+    """A node serving ``echo`` and ``stall`` (a stream handler that never returns)."""
+    server = await make_node(config=NodeConfig(connection=limits))
+    server.handlers.add_unary("echo", echo)
+    never = asyncio.Event()
+
+    async def stall(ctx: CallContext, stream: RPCStream) -> None:
+        await never.wait()
+
+    server.handlers.add_stream("stall", stall)
+    return server
+
+
+def closed(conn: Connection) -> asyncio.Event:
+    """An event set once ``conn`` closed (after its streams were dropped)."""
+    event = asyncio.Event()
+    conn.on_close(lambda _: event.set())
+    return event
+
+
+async def test_unread_stream_data_is_capped_across_connections(make_node: NodeFactory) -> None:
+    """Peers that each stay under their connection's cap still share one node-wide cap."""
+    limits = ConnectionConfig(
+        stream_window=1 << 20,
+        max_frame_bytes=1 << 20,
+        max_buffered_bytes=1 << 20,
+        max_node_buffered_bytes=1 << 20,
+        connection_reserve_bytes=64 * 1024,
+    )
+    server = await stall_server(make_node, limits)
+    chunk = b"x" * (300 * 1024)
+    attackers = [await (await make_node()).connect(server.address) for _ in range(2)]
+    sent = []
+    for conn in attackers:  # 2 x 2 x 300 KiB: under 1 MiB a connection, over it in all
+        for _ in range(2):
+            stream = await conn.open_stream("stall", timeout=30)
+            await stream.send(None, chunk)
+            sent.append(stream)
+    with pytest.raises(ResourceExhaustedError, match="node limit"):
+        await sent[3].recv()
+    budget = server.unread_budget
+    assert 0 < budget.used <= budget.limit
+    # The pool is full, but a small request of another peer still fits its reserve.
+    client = await make_node()
+    await assert_healthy(server, client)
+    # Once the attackers leave, everything they pinned is given back.
+    server_side = [c for c in server.connections() if c.remote_peer != client.peer_id]
+    gone = [closed(c) for c in server_side]
+    for conn in attackers:
+        await conn.aclose()
+    await asyncio.wait_for(asyncio.gather(*(g.wait() for g in gone)), 10)
+    assert budget.used == 0
+
+
+async def test_open_streams_are_capped_across_connections(make_node: NodeFactory) -> None:
+    limits = ConnectionConfig(max_streams=4, max_node_streams=5, connection_reserve_streams=1)
+    server = await stall_server(make_node, limits)
+    attackers = [await (await make_node()).connect(server.address) for _ in range(2)]
+    held = [await attackers[0].open_stream("stall", timeout=30) for _ in range(4)]
+    with pytest.raises(ResourceExhaustedError, match="on this connection"):
+        extra = await attackers[0].open_stream("stall", timeout=30)
+        await extra.recv()
+    # The first connection took 1 reserved + 3 pooled streams; the second one
+    # gets its reserved stream and the 2 pooled left, then the pool is empty.
+    held += [await attackers[1].open_stream("stall", timeout=30) for _ in range(3)]
+    with pytest.raises(ResourceExhaustedError, match="streams open from its peers"):
+        extra = await attackers[1].open_stream("stall", timeout=30)
+        await extra.recv()
+    assert server.stream_budget.used == server.stream_budget.limit
+    client = await make_node()
+    await assert_healthy(server, client)  # its reserved stream
+    server_side = [c for c in server.connections() if c.remote_peer != client.peer_id]
+    gone = [closed(c) for c in server_side]
+    for conn in attackers:
+        await conn.aclose()
+    await asyncio.wait_for(asyncio.gather(*(g.wait() for g in gone)), 10)
+    assert server.stream_budget.used == 0
+    assert len(held) == 7
+
+
+async def test_a_handler_that_waits_forever_is_cancelled_at_the_time_limit(
+    make_node: NodeFactory,
+) -> None:
+    server = await make_node(config=NodeConfig(connection=ConnectionConfig(handler_timeout=0.5)))
+    server.handlers.add_unary("echo", echo)
+    never = asyncio.Event()
+    cancelled: list[str] = []
+
+    async def hang(ctx: CallContext, request: Message) -> Message:
+        try:
+            await never.wait()
+        except asyncio.CancelledError:
+            cancelled.append(ctx.method)
+            raise
+        return request
+
+    async def chat(ctx: CallContext, stream: RPCStream) -> None:
+        async for message in stream:
+            await stream.send(message.body)
+
+    server.handlers.add_unary("hang", hang)
+    server.handlers.add_stream("chat", chat, unbounded=True)
+    client = await make_node()
+    conn = await client.connect(server.address)
+    long_lived = await conn.open_stream("chat")  # no deadline, and exempt from the limit
+    with pytest.raises(DeadlineExceededError, match=r"server's limit of 0\.5 s"):
+        await conn.call("hang", {"x": 1})  # the caller set no deadline either
+    assert cancelled == ["hang"]
+    await long_lived.send("still there")  # past the limit, the unbounded stream lives on
+    assert (await asyncio.wait_for(long_lived.recv(), 5)).body == "still there"
+    await long_lived.end()
     await assert_healthy(server, client)
 
 

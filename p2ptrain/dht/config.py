@@ -22,6 +22,7 @@ _INT_FIELDS_MIN_ONE = (
     "max_key_bytes",
     "max_value_bytes",
     "max_subkeys",
+    "max_subkeys_per_owner",
     "max_records",
     "max_store_bytes",
     "max_bytes_per_source",
@@ -53,6 +54,12 @@ class DHTConfig:
         max_value_bytes: Longest accepted value (the msgpack-encoded bytes the
             node stores). 64 KiB by default.
         max_subkeys: Most sub-keys one dictionary value may hold at a time.
+            When full, a new entry of a higher rank (signed over unsigned,
+            owner-bound over signed) takes the place of the lowest-ranked
+            entry that expires first; otherwise it is refused.
+        max_subkeys_per_owner: Most live sub-keys of one dictionary signed
+            by one owner, so one identity cannot fill a shared dictionary
+            (the package's own records use one sub-key per peer).
         max_store_bytes: Most bytes of records (keys, sub-keys, values and a
             fixed overhead each) one node stores.
         max_bytes_per_source: Most of those bytes the records sent by one
@@ -79,6 +86,11 @@ class DHTConfig:
         ping_timeout: How long the routing table waits for the result of the
             PING it asked for before it asks again; the node should give up on
             that PING sooner than this.
+        max_per_subnet: Most contacts of one bucket from one public /24
+            (IPv4) or /64 (IPv6), so one operator's addresses cannot fill the
+            buckets (an S/Kademlia-style diversity limit). Loopback, private
+            and other non-global addresses are exempt (a LAN swarm). ``None``
+            disables the limit.
         relaxed_split: Also split a full bucket that does not hold our own id
             when the newcomer would be among the *k* closest contacts to our
             own id (Kademlia paper, section 4.2), so a peer knows its whole
@@ -91,6 +103,7 @@ class DHTConfig:
     max_key_bytes: int = 512
     max_value_bytes: int = 64 * 1024
     max_subkeys: int = 256
+    max_subkeys_per_owner: int = 16
     max_records: int = 100_000
     max_store_bytes: int = 256 * 1024 * 1024
     max_bytes_per_source: int = 32 * 1024 * 1024
@@ -102,6 +115,7 @@ class DHTConfig:
     replacement_cache_size: int = 20
     ping_timeout: float = 10.0
     relaxed_split: bool = True
+    max_per_subnet: int | None = 2
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS_MIN_ONE:
@@ -121,6 +135,8 @@ class DHTConfig:
                 )
         if self.max_contacts_per_reply is not None:
             _check_int("max_contacts_per_reply", self.max_contacts_per_reply, minimum=1)
+        if self.max_per_subnet is not None:
+            _check_int("max_per_subnet", self.max_per_subnet, minimum=1)
         if not isinstance(self.relaxed_split, bool):
             raise ConfigError(f"DHTConfig.relaxed_split must be a bool, got {self.relaxed_split!r}")
 

@@ -54,6 +54,7 @@ expirations are absolute times that every peer compares with its own clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
@@ -161,11 +162,15 @@ class DHTNode:
         self._sender: str | None = None
         self._next_republish = clock() + self._dht.republish_interval
         self._srtt: float | None = None  # smoothed duration of answered requests
-        self._verifying: set[PeerID] = set()  # callers whose address is being checked
+        # callers whose address is being checked, each with the event set when it ends
+        self._verifying: dict[PeerID, asyncio.Event] = {}
         # Addresses a lookup gave up on lately -> when to forget it (insertion order).
         self._unresponsive: OrderedDict[str, float] = OrderedDict()
         self._none_verifying = asyncio.Event()
         self._none_verifying.set()
+        # How long a PING waits for its caller's address check (see _serve_ping):
+        # well inside the request timeout the caller (configured alike) allows.
+        self._verify_wait = min(self.config.ping_timeout, self.config.request_timeout / 2)
         self._started = False
         self._closing = False
 
@@ -725,20 +730,28 @@ class DHTNode:
 
     # -- serving -----------------------------------------------------------------------
 
-    def _heard_from_caller(self, ctx: CallContext, sender: str | None) -> None:
-        """A caller announced where it listens: believe it once it answered there."""
+    def _heard_from_caller(self, ctx: CallContext, sender: str | None) -> asyncio.Event | None:
+        """A caller announced where it listens: believe it once it answered there.
+
+        Returns the event set when the check of its address ends (``None``
+        when none runs: believed at once, already known, or no room).
+        """
         if sender is None or ctx.peer == self.peer_id:
-            return
+            return None
         contact = Contact(ctx.peer, sender)
         known = self.routing_table.get(ctx.peer)
         if not self.config.verify_callers or (known is not None and known.address == sender):
             self._heard(contact)
-            return
-        if self._closing or ctx.peer in self._verifying or len(self._verifying) >= _MAX_VERIFYING:
-            return
-        self._verifying.add(ctx.peer)
+            return None
+        running = self._verifying.get(ctx.peer)
+        if running is not None:
+            return running
+        if self._closing or len(self._verifying) >= _MAX_VERIFYING:
+            return None
+        checked = self._verifying[ctx.peer] = asyncio.Event()
         self._none_verifying.clear()
         self._tasks.spawn(self._verify(contact), name=f"dht-verify:{ctx.peer.short}")
+        return checked
 
     async def _verify(self, contact: Contact) -> None:
         try:
@@ -754,7 +767,9 @@ class DHTNode:
         except (*_FAILURES, ValueError) as exc:
             logger.debug("%s did not answer at %s: %s", contact.peer_id.short, contact.address, exc)
         finally:
-            self._verifying.discard(contact.peer_id)
+            checked = self._verifying.pop(contact.peer_id, None)
+            if checked is not None:
+                checked.set()
             if not self._verifying:
                 self._none_verifying.set()
 
@@ -765,7 +780,17 @@ class DHTNode:
     async def _serve_ping(self, ctx: CallContext, request: Message) -> Message:
         self.stats.on_served(METHOD_PING)
         ping = _decoded(lambda: PingRequest.decode(request.body))
-        self._heard_from_caller(ctx, ping.sender)
+        checked = self._heard_from_caller(ctx, ping.sender)
+        if checked is not None:
+            # A greeting is answered once the caller's address is checked (or
+            # the wait ran out), so the caller's join lookup, which follows,
+            # is answered by a table that holds every peer that greeted us
+            # before it. Without the wait, two peers joining through us at
+            # once both missed each other (each still being checked when the
+            # other looked itself up) and learned of each other only at a
+            # later lookup. The wait only delays this caller's own reply.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(checked.wait(), self._verify_wait)
         return Message(PingReply(self.client_mode).encode())
 
     async def _serve_find(self, ctx: CallContext, request: Message) -> Message:

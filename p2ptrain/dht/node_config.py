@@ -63,9 +63,10 @@ class DHTNodeConfig:
         verify_callers: Add a peer that calls us and announces an address to
             the routing table only after it answered a PING over a fresh
             connection to that address (at most 64 checks at once; more
-            callers wait for a later call). Off (the default for now: on, a
-            three-peer training test lost its first steps, not yet
-            understood): callers enter at once, under the address they announce.
+            callers wait for a later call). A greeting PING is answered once
+            the check ended (at most ``min(ping_timeout, request_timeout / 2)``),
+            so a joining peer's lookup finds the peers that joined before it.
+            Off: callers enter at once, under whatever address they announce.
         get_quorum: Replicas a plain get asks before it believes an unsigned
             value (capped by ``replicas``); the value must be carried by more
             than half of the replies. Signed values need one reply.
@@ -82,7 +83,7 @@ class DHTNodeConfig:
     republish_parallelism: int = 8
     hedge_delay: float = 0.1
     get_quorum: int = 3
-    verify_callers: bool = False
+    verify_callers: bool = True
     lookup_query_timeout: float = 0.5
 
     def __post_init__(self) -> None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import ipaddress
 import random
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator
@@ -59,6 +60,7 @@ __all__ = [
     "Contact",
     "NodeID",
     "RoutingTable",
+    "subnet_of",
 ]
 
 ID_BITS = 256
@@ -166,6 +168,9 @@ class AddStatus(enum.Enum):
     in the replacement cache."""
     IGNORED = "ignored"
     """Client-mode peer or our own id: never added."""
+    CROWDED = "crowded"
+    """The bucket already holds ``DHTConfig.max_per_subnet`` contacts of the
+    newcomer's public /24 (IPv4) or /64 (IPv6): it is not added or cached."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +191,26 @@ _ADDED = AddResult(AddStatus.ADDED)
 _UPDATED = AddResult(AddStatus.UPDATED)
 _CACHED = AddResult(AddStatus.CACHED)
 _IGNORED = AddResult(AddStatus.IGNORED)
+_CROWDED = AddResult(AddStatus.CROWDED)
+
+
+def subnet_of(address: str) -> str | None:
+    """The /24 (IPv4) or /64 (IPv6) of a public ``host:port`` address, else ``None``.
+
+    Loopback, private, link-local and other non-global addresses (a LAN or a
+    test swarm) and host names have none: the per-subnet cap leaves them alone.
+    """
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if not ip.is_global:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    prefix = 24 if ip.version == 4 else 64
+    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +353,8 @@ class RoutingTable:
         while len(bucket.contacts) >= k and self._should_split(bucket, node_id):
             self._split(bucket)
             bucket = self._bucket_for(node_id)
+        if self._crowded(bucket, seen):
+            return _CROWDED
         if len(bucket.contacts) < k:
             bucket.replacements.pop(node_id, None)
             bucket.contacts[node_id] = seen
@@ -511,8 +538,25 @@ class RoutingTable:
             bucket.ping_target = None
         return self._promote(bucket) if bucket.replacements else None
 
-    def _promote(self, bucket: _Bucket) -> Contact:
-        node_id, contact = bucket.replacements.popitem()  # the most recently seen
-        bucket.contacts[node_id] = contact
-        self._size += 1
-        return contact
+    def _crowded(self, bucket: _Bucket, contact: Contact) -> bool:
+        """Whether ``bucket`` holds ``max_per_subnet`` contacts of ``contact``'s subnet."""
+        limit = self._config.max_per_subnet
+        subnet = None if limit is None else subnet_of(contact.address)
+        if subnet is None:
+            return False
+        same = sum(1 for c in bucket.contacts.values() if subnet_of(c.address) == subnet)
+        return same >= (limit or 0)
+
+    def _promote(self, bucket: _Bucket) -> Contact | None:
+        """Move the most recently seen replacement that fits into the bucket.
+
+        Replacements whose subnet filled up meanwhile are dropped.
+        """
+        while bucket.replacements:
+            node_id, contact = bucket.replacements.popitem()  # the most recently seen
+            if self._crowded(bucket, contact):
+                continue
+            bucket.contacts[node_id] = contact
+            self._size += 1
+            return contact
+        return None

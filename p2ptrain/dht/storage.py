@@ -31,7 +31,11 @@ heap of expirations).
 Every record is checked by :func:`~p2ptrain.dht.records.validate_record`
 before anything else (sizes, expiration window, ownership, signature).
 Capacity limits are enforced after expired entries are evicted:
-``DHTConfig.max_subkeys`` per dictionary, ``max_records`` entries in all,
+``DHTConfig.max_subkeys`` per dictionary (a full dictionary takes a new
+entry of higher rank by dropping its lowest-ranked entry that expires
+first, so unsigned entries never block signed ones),
+``max_subkeys_per_owner`` sub-keys signed by one owner per dictionary,
+``max_records`` entries in all,
 ``max_store_bytes`` bytes in all and ``max_bytes_per_source`` bytes for the
 records one source sent (the node names the source: the sender's host).
 Every refusal raises :class:`~p2ptrain.errors.RecordRejectedError`.
@@ -174,6 +178,12 @@ class _Slot:
         return len(self.entries) + (self.plain is not None)
 
 
+def _weakest_below(slot: _Slot, ceiling: int) -> Record | None:
+    """The entry of lowest rank (below ``ceiling``) that expires first, if any."""
+    candidates = [r for r in slot.entries.values() if rank(r) < ceiling]
+    return min(candidates, key=lambda r: (rank(r), r.expiration), default=None)
+
+
 class RecordStore:
     """The records one node holds for the DHT. See the module docstring.
 
@@ -313,12 +323,18 @@ class RecordStore:
         config = self._config
         slot = self._slots.get(record.key)
         replaced = None if slot is None else slot.replaced(record)
+        weakest: Record | None = None  # an entry the new one displaces from a full dictionary
         if replaced is None:
             limit = config.max_subkeys
-            if record.subkey is not None and slot is not None and len(slot.entries) >= limit:
-                self.evict_expired(now)
+            if record.subkey is not None and slot is not None:
+                if record.owner is not None:
+                    self._check_owner_share(slot, record, now)
                 if len(slot.entries) >= limit:
-                    raise RecordRejectedError(f"the dictionary already holds {limit} sub-keys")
+                    self.evict_expired(now)
+                if len(slot.entries) >= limit:
+                    weakest = _weakest_below(slot, rank(record))
+                    if weakest is None:
+                        raise RecordRejectedError(f"the dictionary already holds {limit} sub-keys")
             if self._count >= config.max_records:
                 self.evict_expired(now)
                 if self._count >= config.max_records:
@@ -340,6 +356,20 @@ class RecordStore:
                         f" {self.source_bytes(source)} bytes here"
                         f" (limit {config.max_bytes_per_source})"
                     )
+        if weakest is not None and slot is not None and slot.remove(weakest):
+            self._uncharge(weakest)
+            self._count -= 1
+
+    def _check_owner_share(self, slot: _Slot, record: Record, now: float) -> None:
+        """Refuse a new sub-key of an owner who signed ``max_subkeys_per_owner`` already."""
+        limit = self._config.max_subkeys_per_owner
+        mine = sum(
+            1 for r in slot.entries.values() if r.owner == record.owner and r.expiration > now
+        )
+        if mine >= limit:
+            raise RecordRejectedError(
+                f"{mine} sub-keys of this dictionary are signed by the same owner (limit {limit})"
+            )
 
     def _charge(self, record: Record, source: str | None) -> None:
         size = record_bytes(record)

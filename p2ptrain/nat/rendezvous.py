@@ -102,8 +102,8 @@ class RendezvousServer:
 
     def install(self, handlers: HandlerTable) -> None:
         """Serve ``nat.register`` and ``nat.connect``."""
-        handlers.add_stream(REGISTER, self._on_register)
-        handlers.add_stream(CONNECT, self._on_connect)
+        handlers.add_stream(REGISTER, self._on_register, unbounded=True)  # a registration
+        handlers.add_stream(CONNECT, self._on_connect, unbounded=True)  # a relayed circuit
 
     def uninstall(self, handlers: HandlerTable) -> None:
         """Stop serving."""

@@ -168,7 +168,7 @@ class NATService:
         record is published (or failed to be: then it is retried).
         """
         handlers = self.node.handlers
-        handlers.add_stream(ACCEPT, self._on_accept)
+        handlers.add_stream(ACCEPT, self._on_accept, unbounded=True)  # may carry a circuit
         handlers.add_stream(REVERSED, self._on_reversed)
         try:
             if self.reachability is None:

@@ -74,7 +74,12 @@ class Node:
             max_total=self.config.max_inbound,
             max_per_source=self.config.max_inbound_per_source,
         )
-        self.reply_budget = ByteBudget(self.config.connection.max_reply_bytes_in_flight)
+        limits = self.config.connection
+        self.reply_budget = ByteBudget(limits.max_reply_bytes_in_flight)
+        self.unread_budget = ByteBudget(limits.max_node_buffered_bytes)
+        """Unread received bytes over every connection (``max_node_buffered_bytes``)."""
+        self.stream_budget = ByteBudget(limits.max_node_streams)
+        """Streams peers hold open over every connection (``max_node_streams``)."""
         self._log = RateLimitedLog(logger)
         self._memory_task: asyncio.Task[None] | None = None
 
@@ -374,6 +379,8 @@ class Node:
             handlers=self.handlers,
             config=conn_config,
             reply_budget=self.reply_budget,
+            unread_budget=self.unread_budget,
+            stream_budget=self.stream_budget,
         )
         self._adopt(conn)
         return conn

@@ -1,4 +1,10 @@
-"""A byte budget shared by the connections of a node.
+"""Budgets shared by the connections of a node.
+
+A node hands each of its connections the same three :class:`ByteBudget`
+objects: bytes of large replies being sent, bytes of received messages not
+read yet, and streams opened by peers (a count, one unit per stream). Each
+connection has its own, smaller caps as well; the shared ones bound what many
+connections together may pin.
 
 Large unary replies (a DHT dictionary can be megabytes) are charged to one
 :class:`ByteBudget` from the moment they are handed to the connection until
@@ -14,10 +20,10 @@ __all__ = ["ByteBudget"]
 
 
 class ByteBudget:
-    """Bytes that may be in use at once.
+    """Bytes (or other units, such as streams) that may be in use at once.
 
     Args:
-        limit: the most bytes held at once.
+        limit: the most units held at once.
     """
 
     def __init__(self, limit: int) -> None:

@@ -33,6 +33,28 @@ class ConnectionConfig:
         max_buffered_bytes: bytes of received messages that the application has
             not read yet, summed over the streams of one connection; a message
             that would pass it resets its stream with ``resource_exhausted``.
+        max_node_buffered_bytes: bytes of received messages not read yet,
+            summed over every connection of the node; a message that would
+            pass it resets its stream with ``resource_exhausted`` (the
+            connection stays up).
+        max_node_streams: streams opened by peers that may be open at once,
+            summed over every connection of the node (``max_streams`` caps
+            one connection); an OPEN past it is reset with
+            ``resource_exhausted``.
+        connection_reserve_bytes: unread bytes each connection may hold
+            outside ``max_node_buffered_bytes`` (within its own
+            ``max_buffered_bytes``), so peers that fill the node's pool cannot
+            starve another peer's small requests.
+        connection_reserve_streams: streams each connection may hold open
+            outside ``max_node_streams``, for the same reason.
+        handler_timeout: seconds a stream the peer opened may stay open on
+            our side (its handler running, or its end awaited); checked every
+            quarter of it (at most every ``keepalive_interval``), so at most
+            1.25 times this. Past it the stream is reset, its handler
+            cancelled, and the caller gets ``deadline_exceeded`` saying the
+            server's limit ran out. The caller's own deadline still applies.
+            Stream methods registered with ``unbounded=True`` (a rendezvous
+            registration, a relayed circuit) are exempt.
         max_reply_bytes_in_flight: bytes of large unary replies (payloads of at
             least 64 KiB) being sent at once, summed over every connection of
             the node; a reply that does not fit is refused with
@@ -55,6 +77,11 @@ class ConnectionConfig:
     max_buffered_bytes: int = 96 * MiB
     max_reply_bytes_in_flight: int = 64 * MiB
     reply_send_timeout: float = 30.0
+    max_node_buffered_bytes: int = 160 * MiB
+    max_node_streams: int = 4096
+    connection_reserve_bytes: int = 256 * 1024
+    connection_reserve_streams: int = 8
+    handler_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if not 4096 <= self.max_frame_bytes <= 2**32:
@@ -69,7 +96,11 @@ class ConnectionConfig:
             raise ConfigError("write_high_water must be at least 1024")
         if not 4096 <= self.max_handshake_frame_bytes <= 2**32:
             raise ConfigError("max_handshake_frame_bytes must be in [4096, 2**32]")
-        for name in ("max_buffered_bytes", "max_reply_bytes_in_flight"):
+        if self.max_node_streams < 1:
+            raise ConfigError("max_node_streams must be positive")
+        if self.connection_reserve_bytes < 0 or self.connection_reserve_streams < 0:
+            raise ConfigError("the connection reserves must be >= 0")
+        for name in ("max_buffered_bytes", "max_reply_bytes_in_flight", "max_node_buffered_bytes"):
             if not getattr(self, name) >= 1024:
                 raise ConfigError(f"{name} must be at least 1024")
         for name in (
@@ -77,6 +108,7 @@ class ConnectionConfig:
             "idle_timeout",
             "keepalive_interval",
             "reply_send_timeout",
+            "handler_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive")

@@ -89,6 +89,8 @@ class Connection:
         handlers: HandlerTable,
         config: ConnectionConfig,
         reply_budget: ByteBudget | None = None,
+        unread_budget: ByteBudget | None = None,
+        stream_budget: ByteBudget | None = None,
     ) -> None:
         self.transport = transport
         self.remote_peer: PeerID = remote.peer_id
@@ -97,8 +99,12 @@ class Connection:
         self._handlers = handlers
         self._config = config
         self._reply_budget = reply_budget or ByteBudget(config.max_reply_bytes_in_flight)
+        # Shared by the node's connections (a connection made alone gets its own).
+        self._unread_budget = unread_budget or ByteBudget(config.max_node_buffered_bytes)
+        self._stream_budget = stream_budget or ByteBudget(config.max_node_streams)
         self.buffered_bytes = 0
         """Bytes of received messages not yet read, over every stream."""
+        self._remote_streams = 0  # open streams the remote opened
         self._send_window = remote.stream_window
         transport.max_send_frame = remote.max_frame_bytes
         self._streams: dict[int, RPCStream] = {}
@@ -223,8 +229,9 @@ class Connection:
 
     def transport_lost(self, exc: P2PTrainError | None) -> None:
         for stream in list(self._streams.values()):
-            stream._on_connection_lost(exc)
-        self._streams.clear()
+            stream._on_connection_lost(exc)  # a stream that fails forgets itself
+            if self._streams.get(stream.stream_id) is stream:
+                self._forget_stream(stream)
         for waiter in self._pings.values():
             if not waiter.done():
                 waiter.set_exception(ConnectionClosedError("connection closed"))
@@ -278,19 +285,38 @@ class Connection:
         if self.going_away:
             self._send_reset(sid, UnavailableError.code, "the connection is closing")
             return
-        if self._remote_stream_count() >= self._config.max_streams:
-            self._send_reset(sid, ResourceExhaustedError.code, "too many open streams")
+        if self._remote_streams >= self._config.max_streams:
+            self._send_reset(
+                sid,
+                ResourceExhaustedError.code,
+                f"too many open streams on this connection (limit {self._config.max_streams})",
+            )
             return
         entry = self._handlers.lookup(method)
         if entry is None:
             self._send_reset(sid, MethodNotFoundError.code, f"no method {method!r}")
             return
         if frame.flags & FLAG_MESSAGE and not self.can_buffer(frame.wire_size):
-            self._send_reset(sid, ResourceExhaustedError.code, self._buffer_full_reason())
+            self._send_reset(
+                sid, ResourceExhaustedError.code, self._buffer_full_reason(frame.wire_size)
+            )
             return
+        streams = self._stream_budget
+        pooled = self._remote_streams >= self._config.connection_reserve_streams
+        if pooled and not streams.try_take(1):
+            self._send_reset(
+                sid,
+                ResourceExhaustedError.code,
+                f"the node has {streams.used} streams open from its peers"
+                f" (limit {streams.limit}); retry later",
+            )
+            return
+        self._remote_streams += 1
         deadline = None if deadline_ms is None else self._loop.time() + deadline_ms / 1000
         stream = self._register(sid, method, deadline)
         stream.opened = True
+        if not entry.unbounded:  # enforced by _expire_handlers, without a timer per call
+            stream.handler_limit = self._loop.time() + self._config.handler_timeout
         if frame.flags & FLAG_MESSAGE:
             stream._on_message(Message(frame.field("b"), frame.payload), frame.wire_size)
         if frame.ends_stream:
@@ -352,17 +378,49 @@ class Connection:
         return None if stream is None else stream._payload_buffer(frame.field("b"), nbytes)
 
     def can_buffer(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more unread bytes fit under ``max_buffered_bytes``."""
-        return self.buffered_bytes + nbytes <= self._config.max_buffered_bytes
-
-    def _buffer_full_reason(self) -> str:
-        return (
-            f"{self.buffered_bytes} bytes of this connection are unread"
-            f" (limit {self._config.max_buffered_bytes})"
+        """Whether ``nbytes`` more unread bytes fit under ``max_buffered_bytes``
+        (this connection) and ``max_node_buffered_bytes`` (all of the node's;
+        ``connection_reserve_bytes`` of each connection are outside it)."""
+        after = self.buffered_bytes + nbytes
+        return after <= self._config.max_buffered_bytes and self._unread_budget.fits(
+            self._pooled(after) - self._pooled(self.buffered_bytes)
         )
 
-    def _remote_stream_count(self) -> int:
-        return sum(1 for sid in self._streams if sid % 2 == self._remote_parity)
+    def _pooled(self, buffered: int) -> int:
+        """Of ``buffered`` unread bytes, those charged to the node-wide pool."""
+        return max(0, buffered - self._config.connection_reserve_bytes)
+
+    def _buffer_full_reason(self, nbytes: int) -> str:
+        """Why :meth:`can_buffer` refused ``nbytes``."""
+        if self.buffered_bytes + nbytes > self._config.max_buffered_bytes:
+            return (
+                f"{self.buffered_bytes} bytes of this connection are unread"
+                f" (limit {self._config.max_buffered_bytes})"
+            )
+        return (
+            f"{self._unread_budget.used} bytes of the node's connections are unread"
+            f" (node limit {self._unread_budget.limit}); retry later"
+        )
+
+    def _charge_unread(self, nbytes: int) -> None:
+        """Count ``nbytes`` received and not read yet (checked with :meth:`can_buffer`)."""
+        before = self._pooled(self.buffered_bytes)
+        self.buffered_bytes += nbytes
+        self._unread_budget.used += self._pooled(self.buffered_bytes) - before
+
+    def _release_unread(self, nbytes: int) -> None:
+        """``nbytes`` counted by :meth:`_charge_unread` were read or dropped."""
+        before = self._pooled(self.buffered_bytes)
+        self.buffered_bytes -= nbytes
+        self._unread_budget.give_back(before - self._pooled(self.buffered_bytes))
+
+    def _forget_stream(self, stream: RPCStream) -> None:
+        """Drop a finished stream; a remote-opened one frees its place in the caps."""
+        del self._streams[stream.stream_id]
+        if stream.stream_id % 2 == self._remote_parity:
+            if self._remote_streams > self._config.connection_reserve_streams:
+                self._stream_budget.give_back(1)
+            self._remote_streams -= 1
 
     def _is_stale(self, sid: int) -> bool:
         if sid % 2 == self._remote_parity:
@@ -459,10 +517,16 @@ class Connection:
     async def _maintain(self) -> None:
         """Keepalive PINGs while the remote is silent; close when idle too long."""
         interval = self._config.keepalive_interval
+        tick = min(interval, self._config.handler_timeout / 4)
+        next_keepalive = self._loop.time() + interval
         misses = 0
         while not self.closed:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(tick)
             now = self._loop.time()
+            self._expire_handlers(now)
+            if now < next_keepalive:
+                continue
+            next_keepalive = now + interval
             if self._streams:
                 self.idle_since = None
             elif self.idle_since is None:
@@ -485,6 +549,21 @@ class Connection:
                     return
             except ConnectionClosedError:
                 return
+
+    def _expire_handlers(self, now: float) -> None:
+        """Reset the streams whose handler ran past ``handler_timeout`` (cancelling it).
+
+        Checked every quarter of the limit (at most every keepalive interval),
+        so a handler ends within 1.25 times the limit.
+        """
+        for stream in list(self._streams.values()):
+            limit = stream.handler_limit
+            if limit is not None and now >= limit and not stream.finished:
+                stream.reset(
+                    DeadlineExceededError.code,
+                    f"the handler of {stream.method!r} ran past the server's limit of"
+                    f" {self._config.handler_timeout:g} s",
+                )
 
     # -- sending -----------------------------------------------------------------------
 
@@ -564,6 +643,6 @@ class Connection:
 
     def _maybe_forget(self, stream: RPCStream) -> None:
         if stream.finished and self._streams.get(stream.stream_id) is stream:
-            del self._streams[stream.stream_id]
+            self._forget_stream(stream)
             if not self._streams:
                 self.idle_since = self._loop.time()

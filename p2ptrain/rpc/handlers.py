@@ -44,6 +44,7 @@ StreamHandler = Callable[[CallContext, "RPCStream"], Awaitable[None]]
 class _Entry:
     handler: UnaryHandler | StreamHandler
     streaming: bool
+    unbounded: bool = False
 
 
 class HandlerTable:
@@ -62,9 +63,16 @@ class HandlerTable:
         """Serve ``method`` with a request/response handler."""
         self._add(method, _Entry(handler, streaming=False))
 
-    def add_stream(self, method: str, handler: StreamHandler) -> None:
-        """Serve ``method`` with a streaming handler."""
-        self._add(method, _Entry(handler, streaming=True))
+    def add_stream(self, method: str, handler: StreamHandler, *, unbounded: bool = False) -> None:
+        """Serve ``method`` with a streaming handler.
+
+        Every handler is cancelled once it ran ``ConnectionConfig.handler_timeout``
+        (or at the caller's deadline, if sooner); ``unbounded=True`` exempts a
+        method whose streams live as long as the caller keeps them (a
+        registration, a relayed circuit): only the caller's deadline, the
+        stream caps and the connection's life bound it.
+        """
+        self._add(method, _Entry(handler, streaming=True, unbounded=unbounded))
 
     def remove(self, method: str) -> None:
         """Stop serving ``method``."""

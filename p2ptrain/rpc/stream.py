@@ -85,6 +85,8 @@ class RPCStream:
         self._payload_target: PayloadTarget | None = None
         self.handler_task: asyncio.Task[None] | None = None
         self.handler_started = False
+        self.handler_limit: float | None = None
+        """Loop time past which the node resets a stream it serves (handler_timeout)."""
         self.opened = False
         """Whether the remote knows of this stream (its OPEN was sent or received)."""
 
@@ -213,8 +215,8 @@ class RPCStream:
             )
         conn = self._conn
         if not conn.can_buffer(size):
-            raise FlowControlError(conn._buffer_full_reason())
-        conn.buffered_bytes += size
+            raise FlowControlError(conn._buffer_full_reason(size))
+        conn._charge_unread(size)
         self._queued_bytes += size
         self._queue.append((message, size))
         _wake(self._recv_waiter)
@@ -248,7 +250,7 @@ class RPCStream:
     def _release_queued(self, size: int) -> None:
         size = min(size, self._queued_bytes)  # 0 once _fail released them all
         self._queued_bytes -= size
-        self._conn.buffered_bytes -= size
+        self._conn._release_unread(size)
 
     def _fail(self, error: P2PTrainError) -> None:
         self._error = error
