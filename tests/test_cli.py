@@ -59,16 +59,15 @@ def busy_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 PINNED = f"{Identity.from_seed(bytes(32)).peer_id}@127.0.0.1:1"
 
 
 def test_user_mistakes_get_one_line_errors(busy_port: int, tmp_path: Path) -> None:
+    # A port bound but not listening refuses connections, and stays ours: a port
+    # merely found free could be handed to the bootstrap itself, which then joined itself.
+    refusing = socket.socket()
+    refusing.bind(("127.0.0.1", 0))
+    closed_port = refusing.getsockname()[1]
     cases = {
         ("bootstrap", "--port", str(busy_port)): "address already in use",
         ("bootstrap", "--port", "0", "--join", "not-an-address"): "bad address",
@@ -78,18 +77,19 @@ def test_user_mistakes_get_one_line_errors(busy_port: int, tmp_path: Path) -> No
             "0",
             "--trust-on-first-use",
             "--join",
-            f"127.0.0.1:{_free_port()}",
+            f"127.0.0.1:{closed_port}",
         ): "none of the",
         ("bootstrap", "--port", "0", "--join", "127.0.0.1:1"): "--trust-on-first-use",
         ("bootstrap", "--port", "0", "--secret-file", str(tmp_path / "no")): "cannot read",
         ("bootstrap", "--port", "0", "--join", "zz@127.0.0.1:1"): "bad peer id",
     }
-    for args, expected in cases.items():
-        result = run_cli(*args)
-        assert result.returncode == 2, (args, result.stderr)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-        assert expected in lines[0], lines[0]
+    with refusing:
+        for args, expected in cases.items():
+            result = run_cli(*args)
+            assert result.returncode == 2, (args, result.stderr)
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+            assert expected in lines[0], lines[0]
 
 
 def _joinable_bootstrap(*args: str) -> tuple[ChildLines, str]:
