@@ -50,13 +50,13 @@ from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError
-from p2ptrain.identity import Identity, PeerID
 from p2ptrain.measure.estimates import EstimatorConfig, LinkEstimator, StreamTiming
 from p2ptrain.measure.latency import known_rtts
 from p2ptrain.measure.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, probe_peers
 from p2ptrain.node.address import PeerAddress, is_loopback_host
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
+from p2ptrain.secure.identity import Identity, PeerID
 
 if TYPE_CHECKING:  # p2ptrain.nat imports aiortc: loaded only when a peer traverses NATs
     from p2ptrain.nat.config import NATConfig

@@ -33,10 +33,10 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from p2ptrain.errors import NATTraversalError, P2PTrainError
-from p2ptrain.identity import PeerID
 from p2ptrain.nat.paths import Traversal
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.rpc.connection import Connection
+from p2ptrain.secure.identity import PeerID
 
 if TYPE_CHECKING:
     from p2ptrain.nat.service import NATService

@@ -56,7 +56,6 @@ from p2ptrain.errors import (
     PermissionDeniedError,
     TransportTimeoutError,
 )
-from p2ptrain.identity import PeerID
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.holepunch import (
     dial_from_listen_port,
@@ -87,6 +86,7 @@ from p2ptrain.node.node import Node
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.secure.identity import PeerID
 
 __all__ = ["REVERSED", "NATService", "wins_crossing"]
 

@@ -7,7 +7,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from p2ptrain.errors import ConfigError, IdentityError
-from p2ptrain.identity import PeerID
+from p2ptrain.secure.identity import PeerID
 
 __all__ = ["PeerAddress", "is_loopback_host"]
 
