@@ -617,8 +617,8 @@ def _run_status(args: argparse.Namespace) -> int:
 
 
 def _run_bootstrap(args: argparse.Namespace) -> int:
+    from p2ptrain.app.bootstrap import BootstrapInfo, run_bootstrap_peer  # noqa: PLC0415
     from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
-    from p2ptrain.nat.bootstrap import BootstrapInfo, run_bootstrap_peer  # noqa: PLC0415
     from p2ptrain.nat.config import NATConfig  # noqa: PLC0415
 
     relay_flags = (args.relay_mbit, args.relay_pair_mbit, args.relay_circuits)

@@ -139,7 +139,7 @@ def test_timings_round_trip_and_bad_ones_are_protocol_errors() -> None:
 def test_measurement_sits_below_the_allreduce_and_the_nat_code() -> None:
     code = (
         "import sys, p2ptrain.measure, p2ptrain.measure.probe, p2ptrain.measure.latency;"
-        "import p2ptrain.nat.bootstrap;"
+        "import p2ptrain.nat, p2ptrain.app.bootstrap;"
         "print(sorted(m for m in sys.modules if m.startswith('p2ptrain.allreduce')))"
     )
     done = subprocess.run(

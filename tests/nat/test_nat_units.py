@@ -335,7 +335,6 @@ def test_the_public_api_is_pinned() -> None:
 
     assert sorted(nat.__all__) == [
         "ATTEMPTS",
-        "BootstrapInfo",
         "CircuitSignaling",
         "LocalView",
         "NATConfig",
@@ -352,7 +351,6 @@ def test_the_public_api_is_pinned() -> None:
         "find_record",
         "plan_paths",
         "publish_record",
-        "run_bootstrap_peer",
         "start_node",
         "traverse",
     ]

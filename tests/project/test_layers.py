@@ -10,6 +10,8 @@ rank (``dht`` and ``measure``, ``nat`` and ``allreduce`` stand side by side).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -163,3 +165,15 @@ def test_imports_are_found_wherever_they_are_written() -> None:
         "p2ptrain.dht.lookup",
         "p2ptrain.dht.lookup.y",
     }
+
+
+def test_the_network_layers_import_without_torch() -> None:
+    """torch is the training layers' concern: a DHT or bootstrap tool loads none of it."""
+    code = (
+        "import sys, p2ptrain.secure, p2ptrain.rpc, p2ptrain.node, p2ptrain.dht, p2ptrain.nat;"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]"
