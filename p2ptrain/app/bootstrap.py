@@ -16,11 +16,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from p2ptrain.app.collectors import bootstrap_collector, dht_collector, node_collector
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.measure.probe import serve_probes
-from p2ptrain.metrics import Metrics, bootstrap_collector, dht_collector, node_collector
+from p2ptrain.metrics import Metrics
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.service import NATService
 from p2ptrain.node.config import NodeConfig

@@ -309,15 +309,10 @@ def run_training_peer(
     from p2ptrain.allreduce.bandwidth import ThroughputConfig  # noqa: PLC0415
     from p2ptrain.allreduce.config import AllReduceConfig  # noqa: PLC0415
     from p2ptrain.allreduce.matchmaking import MatchmakingConfig  # noqa: PLC0415
+    from p2ptrain.app.collectors import dht_collector, nat_collector, node_collector  # noqa: PLC0415
     from p2ptrain.app.task import load_task, lr_schedule  # noqa: PLC0415 - imports torch
     from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
-    from p2ptrain.metrics import (  # noqa: PLC0415
-        Metrics,
-        MetricsServer,
-        dht_collector,
-        nat_collector,
-        node_collector,
-    )
+    from p2ptrain.metrics import Metrics, MetricsServer  # noqa: PLC0415
     from p2ptrain.peer import Peer, PeerConfig  # noqa: PLC0415
     from p2ptrain.train import (  # noqa: PLC0415
         CollaborativeOptimizer,

@@ -25,8 +25,8 @@ from conftest import ChildLines
 from p2ptrain import aio
 from p2ptrain.allreduce.group import GroupPlan
 from p2ptrain.allreduce.matchmaking import MatchmakingConfig
+from p2ptrain.app.collectors import nat_collector
 from p2ptrain.dht.node_config import DHTNodeConfig
-from p2ptrain.metrics import nat_collector
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.stun import stun_query
 from p2ptrain.node.config import NodeConfig

@@ -36,16 +36,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
 )
 
 # Upward imports that exist today and are being removed; each names its way out.
-KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset(
-    {
-        # the collectors move out of the registry (to the layer each one reads)
-        ("p2ptrain.metrics", "p2ptrain.dht.node"),
-        ("p2ptrain.metrics", "p2ptrain.dht.stats"),
-        ("p2ptrain.metrics", "p2ptrain.nat.service"),
-        ("p2ptrain.metrics", "p2ptrain.nat.stats"),
-        ("p2ptrain.metrics", "p2ptrain.train.round_stats"),
-    }
-)
+KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset()
 
 
 def module_name(path: Path, package_dir: Path = PACKAGE) -> str:

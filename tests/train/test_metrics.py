@@ -19,6 +19,7 @@ import pytest
 from p2ptrain.allreduce.group import GroupMember, GroupPlan
 from p2ptrain.allreduce.report import AllReduceReport, ShardReport
 from p2ptrain.app.cli import _ConsoleHandler
+from p2ptrain.app.collectors import dht_collector, node_collector
 from p2ptrain.dht import DHT, DHTNodeConfig
 from p2ptrain.errors import ConfigError, ConnectError, LookupFailedError
 from p2ptrain.metrics import (
@@ -28,16 +29,13 @@ from p2ptrain.metrics import (
     Metrics,
     MetricsServer,
     Sample,
-    allreduce_collector,
-    dht_collector,
-    node_collector,
 )
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.secure.identity import Identity
 from p2ptrain.train.averaging import RoundOutcome, _log_round
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer
-from p2ptrain.train.round_stats import RoundStats
+from p2ptrain.train.round_stats import RoundStats, allreduce_collector
 
 
 def filled() -> Metrics:
@@ -528,7 +526,7 @@ def test_an_averaged_round_names_its_dropped_peers(caplog: pytest.LogCaptureFixt
 def test_nat_traversal_seconds_is_a_histogram_of_the_traversals_that_connected() -> None:
     from types import SimpleNamespace
 
-    from p2ptrain.metrics import nat_collector
+    from p2ptrain.app.collectors import nat_collector
     from p2ptrain.nat.paths import Traversal
     from p2ptrain.nat.stats import TRAVERSAL_BUCKETS, TraversalStats
 
