@@ -59,6 +59,10 @@ _EXAMPLES = """examples:
 """
 
 
+if TYPE_CHECKING:  # what add_subparsers returns; each command adds its parser to it
+    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
 def _add_node_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None:
     group = parser.add_argument_group("network")
     group.add_argument("--host", default="127.0.0.1", help="interface to listen on")
@@ -127,7 +131,20 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (
+        _add_demo_parser,
+        _add_bootstrap_parser,
+        _add_train_parser,
+        _add_status_parser,
+        _add_keygen_parser,
+        _add_bench_parser,
+    ):
+        add(commands)
+    return parser
 
+
+def _add_demo_parser(commands: _Commands) -> None:
+    """``p2ptrain demo``."""
     demo = commands.add_parser(
         "demo",
         help="run a local swarm on loopback and show what happens",
@@ -156,6 +173,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "rates and a delay; the load balancer is fed only by what the peers measure",
     )
 
+
+def _add_bootstrap_parser(commands: _Commands) -> None:
+    """``p2ptrain bootstrap``."""
     bootstrap = commands.add_parser(
         "bootstrap",
         help="run a public peer others join through (DHT, STUN, rendezvous, relay)",
@@ -207,6 +227,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     nat.add_argument("--relay-circuits", type=int, help="relayed pairs at once (default 64)")
 
+
+def _add_train_parser(commands: _Commands) -> None:
+    """``p2ptrain train``."""
     train = commands.add_parser(
         "train",
         help="train a model with a swarm (one peer; the charlm example by default)",
@@ -228,6 +251,13 @@ def _build_parser() -> argparse.ArgumentParser:
         run_default=None,
         run_help="the run (default: the task's name, e.g. charlm; a run trains one model)",
     )
+    _add_step_flags(train)
+    _add_run_flags(train)
+    _add_train_nat_flags(train)
+
+
+def _add_step_flags(train: argparse.ArgumentParser) -> None:
+    """``p2ptrain train``: how the swarm steps and averages."""
     train.add_argument(
         "--target-batch-size",
         type=int,
@@ -273,6 +303,10 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--matchmaking-window", type=float, default=2.0, help="seconds to gather a group (2)"
     )
+
+
+def _add_run_flags(train: argparse.ArgumentParser) -> None:
+    """``p2ptrain train``: how long, what is announced and written, the task."""
     train.add_argument("--seconds", type=float, help="stop after this many seconds of training")
     train.add_argument("--upload-mbit", type=float, help="announce this upload rate (Mbit/s)")
     train.add_argument("--download-mbit", type=float, help="announce this download rate (Mbit/s)")
@@ -292,6 +326,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="what to train: a module name or .py file defining make_task() "
         "(see p2ptrain/app/task.py; default: the charlm example)",
     )
+
+
+def _add_train_nat_flags(train: argparse.ArgumentParser) -> None:
+    """``p2ptrain train``: NAT traversal."""
     nat_train = train.add_argument_group("NAT traversal")
     nat_train.add_argument(
         "--nat",
@@ -317,6 +355,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="a TURN server, turn:USER:PASSWORD@HOST:PORT (repeatable), for symmetric NATs",
     )
 
+
+def _add_status_parser(commands: _Commands) -> None:
+    """``p2ptrain status``."""
     status = commands.add_parser(
         "status",
         help="show the peers of a training run",
@@ -346,6 +387,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--count", type=int, help="with --watch: stop after this many readings (default: never)"
     )
 
+
+def _add_keygen_parser(commands: _Commands) -> None:
+    """``p2ptrain keygen``."""
     keygen = commands.add_parser(
         "keygen",
         help="make a swarm key (256 random bits) for --secret-file",
@@ -359,6 +403,9 @@ def _build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--out", default="swarm.key", help="where to write it (swarm.key)")
     keygen.add_argument("--force", action="store_true", help="replace an existing file")
 
+
+def _add_bench_parser(commands: _Commands) -> None:
+    """``p2ptrain bench``."""
     bench = commands.add_parser(
         "bench",
         help="run a benchmark and print its table",
@@ -375,7 +422,6 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
-    return parser
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -590,7 +636,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from p2ptrain.app.train import StatusConfig, watch_status  # noqa: PLC0415
+    from p2ptrain.app.status import StatusConfig, watch_status  # noqa: PLC0415
 
     node = NodeConfig(
         port=0, swarm=args.swarm, admission=AdmissionPolicy(secret=_read_secret(args.secret_file))

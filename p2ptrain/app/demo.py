@@ -388,50 +388,85 @@ def run_swarm_demo(
             processes started so far are stopped).
         ConfigError: The bootstrap peer did not come up.
     """
-
-    def say(text: str) -> None:
-        if out is not None:
-            out.write(text + "\n")
-            out.flush()
-
-    stop = stop if stop is not None else threading.Event()
-    origin = time.monotonic()
-    runs = tuple(
-        PeerRun(
-            name=f"peer-{i}",
-            upload_mbit=config.bandwidths[i % len(config.bandwidths)][0],
-            download_mbit=config.bandwidths[i % len(config.bandwidths)][1],
-            late=i == config.peers - 1,
-        )
-        for i in range(config.peers)
-    )
-    processes: list[_Process] = []
-    lab = _shaped_lab(config, runs) if config.shaped else None
-
-    def host(index: int) -> str:  # index 0: the bootstrap peer
-        return "127.0.0.1" if lab is None else lab.host_address(index)
-
-    def wrap(index: int, argv: list[str]) -> list[str]:
-        return argv if lab is None else lab.argv(index, argv)
-
-    if lab is None:
-        say(
-            "rates are announced (each peer is told its --upload-mbit/--download-mbit), not "
-            "shaped; as root, `p2ptrain demo --shaped` shapes real links and measures them"
-        )
-    else:
-        say(
-            f"shaped: {len(runs) + 1} network namespaces, tc-tbf links at each peer's rates, "
-            f"{2 * config.delay_ms:g} ms round trips; the load balancer is fed only by "
-            "measurement"
-        )
-    boot = _Process(wrap(0, _cli("bootstrap", "--port", "0", "--host", host(0))), None, origin)
+    demo = _Demo(config, out, stop if stop is not None else threading.Event())
+    demo.describe_links()
+    argv = demo.wrap(0, _cli("bootstrap", "--port", "0", "--host", demo.host(0)))
+    boot = _Process(argv, None, demo.origin)
     try:
+        demo.train(boot, began)
+    finally:
+        for process in demo.processes:
+            process.stop()
+        boot.stop()
+        boot.wait(10)
+        if demo.lab is not None:
+            demo.lab.close()
+    wall = time.monotonic() - demo.origin
+    runs = demo.runs
+    if config.log_dir is not None:
+        _save_logs(runs, Path(config.log_dir))
+    try:
+        png, note = plot_loss(runs, Path(config.png)), "nothing to plot"
+    except MissingDependencyError as exc:
+        png, note = None, str(exc)
+    stopped = demo.stop.is_set()
+    result = SwarmDemoResult(runs=runs, png=png, wall_s=wall, png_note=note, stopped=stopped)
+    demo.say(format_summary(result, config))
+    return result
+
+
+class _Demo:
+    """One run of the demo: the peers' processes, their links, what it prints."""
+
+    def __init__(self, config: SwarmDemoConfig, out: TextIO | None, stop: threading.Event) -> None:
+        self.config = config
+        self.out = out
+        self.stop = stop
+        self.origin = time.monotonic()
+        self.runs = tuple(
+            PeerRun(
+                name=f"peer-{i}",
+                upload_mbit=config.bandwidths[i % len(config.bandwidths)][0],
+                download_mbit=config.bandwidths[i % len(config.bandwidths)][1],
+                late=i == config.peers - 1,
+            )
+            for i in range(config.peers)
+        )
+        self.processes: list[_Process] = []
+        self.lab = _shaped_lab(config, self.runs) if config.shaped else None
+
+    def say(self, text: str) -> None:
+        if self.out is not None:
+            self.out.write(text + "\n")
+            self.out.flush()
+
+    def host(self, index: int) -> str:  # index 0: the bootstrap peer
+        return "127.0.0.1" if self.lab is None else self.lab.host_address(index)
+
+    def wrap(self, index: int, argv: list[str]) -> list[str]:
+        return argv if self.lab is None else self.lab.argv(index, argv)
+
+    def describe_links(self) -> None:
+        if self.lab is None:
+            self.say(
+                "rates are announced (each peer is told its --upload-mbit/--download-mbit), not "
+                "shaped; as root, `p2ptrain demo --shaped` shapes real links and measures them"
+            )
+        else:
+            self.say(
+                f"shaped: {len(self.runs) + 1} network namespaces, tc-tbf links at each peer's "
+                f"rates, {2 * self.config.delay_ms:g} ms round trips; the load balancer is fed "
+                "only by measurement"
+            )
+
+    def train(self, boot: _Process, began: threading.Event | None) -> None:
+        """Start the peers (the last one late), show their progress, and end them."""
+        config, stop, runs, origin = self.config, self.stop, self.runs, self.origin
         line = boot.wait_for_line("--join", _STARTUP_TIMEOUT, stop)
         join = line.split("--join", 1)[1].strip()
-        say(f"bootstrap peer {join}")
+        self.say(f"bootstrap peer {join}")
         early, late = runs[:-1], runs[-1]
-        say(
+        self.say(
             f"starting {len(early)} peers now; {late.name} joins {config.late_delay:.0f} s "
             f"after they start training; training {config.seconds:.0f} s, "
             f"target batch {config.target} samples"
@@ -439,27 +474,33 @@ def run_swarm_demo(
         for i, run in enumerate(early):
             run.launched = time.monotonic() - origin
             _check_stop(stop)
-            argv = wrap(i + 1, _train_argv(config, run, join, config.seconds, host(i + 1)))
-            processes.append(_Process(argv, run, origin))
+            argv = self.wrap(
+                i + 1, _train_argv(config, run, join, config.seconds, self.host(i + 1))
+            )
+            self.processes.append(_Process(argv, run, origin))
         # The late peer starts a while after the first peers train, and is told
         # to stop (SIGTERM: a clean end with a summary) when they are done.
-        first_start = _wait_for_start(processes, _STARTUP_TIMEOUT, stop)
+        first_start = _wait_for_start(self.processes, _STARTUP_TIMEOUT, stop)
         if began is not None:
             began.set()
-        say(f"training began at {first_start:.1f} s; Ctrl-C stops the demo with a summary")
-        live = _LiveLine(out, runs, origin)
+        self.say(f"training began at {first_start:.1f} s; Ctrl-C stops the demo with a summary")
+        live = _LiveLine(self.out, runs, origin)
         live.until(
             lambda: stop.is_set() or time.monotonic() - origin >= first_start + config.late_delay
         )
         if not stop.is_set():
             late.launched = time.monotonic() - origin
             seconds = config.seconds + _STARTUP_TIMEOUT
-            argv = _train_argv(config, late, join, seconds, host(len(runs)))
-            late_process = _Process(wrap(len(runs), argv), late, origin)
-            processes.append(late_process)
+            argv = _train_argv(config, late, join, seconds, self.host(len(runs)))
+            self.processes.append(_Process(self.wrap(len(runs), argv), late, origin))
             live.say(f"{late.name} starts late at {late.launched:.0f} s")
-        deadline = origin + first_start + config.seconds + _STARTUP_TIMEOUT
-        early_processes = processes[: len(early)]
+        self._finish(live, first_start, len(early))
+
+    def _finish(self, live: _LiveLine, first_start: float, early: int) -> None:
+        """Wait for the early peers to end (or stop them all); collect the exit codes."""
+        stop = self.stop
+        deadline = self.origin + first_start + self.config.seconds + _STARTUP_TIMEOUT
+        early_processes = self.processes[:early]
         live.until(
             lambda: (
                 stop.is_set()
@@ -470,33 +511,17 @@ def run_swarm_demo(
         live.done()
         if stop.is_set():
             live.say("stopping the peers ...")
-            for process in processes:  # SIGTERM: each peer ends with its summary
+            for process in self.processes:  # SIGTERM: each peer ends with its summary
                 if process.process.poll() is None:
                     process.process.terminate()
             deadline = time.monotonic() + 30.0
         for process in early_processes:
             assert process.run is not None
             process.run.returncode = process.wait(max(1.0, deadline - time.monotonic()))
+        late = self.runs[-1]
         if late.started:
-            processes[-1].process.terminate()
-            late.returncode = processes[-1].wait(30.0)
-    finally:
-        for process in processes:
-            process.stop()
-        boot.stop()
-        boot.wait(10)
-        if lab is not None:
-            lab.close()
-    wall = time.monotonic() - origin
-    if config.log_dir is not None:
-        _save_logs(runs, Path(config.log_dir))
-    try:
-        png, note = plot_loss(runs, Path(config.png)), "nothing to plot"
-    except MissingDependencyError as exc:
-        png, note = None, str(exc)
-    result = SwarmDemoResult(runs=runs, png=png, wall_s=wall, png_note=note, stopped=stop.is_set())
-    say(format_summary(result, config))
-    return result
+            self.processes[-1].process.terminate()
+            late.returncode = self.processes[-1].wait(30.0)
 
 
 def _wait_for_start(

@@ -1,4 +1,4 @@
-"""One training peer from the command line, and a status table of a run.
+"""``p2ptrain train``: one training peer from the command line.
 
 :func:`run_training_peer` is what ``p2ptrain train`` runs: a
 :class:`~p2ptrain.peer.Peer` joins the swarm, a
@@ -6,10 +6,8 @@
 ``p2ptrain.examples.charlm`` for a bounded time, and a one-line display shows the
 peer's samples/s, the swarm's global step, the loss and the peers online.
 Events also go out as JSON lines (``{"event": "start" | "progress" | "end", ...}``)
-for programs such as the swarm demo.
-
-:func:`status_table` is what ``p2ptrain status`` runs: it joins the DHT as a
-client, reads the run's progress records and formats one row per live peer.
+for programs such as the swarm demo. ``p2ptrain status`` is
+:mod:`p2ptrain.app.status`.
 """
 
 from __future__ import annotations
@@ -20,35 +18,32 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TextIO
 
-from p2ptrain.errors import ConfigError, DHTError
+from p2ptrain.errors import ConfigError
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.secure.identity import PeerID
-from p2ptrain.train.progress import PeerProgress, ProgressConfig, aggregate
+from p2ptrain.train.progress import ProgressConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from p2ptrain.dht.api import DHT
+    from p2ptrain.allreduce.partition import PeerCapacity
+    from p2ptrain.app.task import TrainingTask
+    from p2ptrain.metrics import Metrics
     from p2ptrain.nat.config import NATConfig
-    from p2ptrain.nat.records import PeerRecord
+    from p2ptrain.peer import Peer, PeerConfig
+    from p2ptrain.train.base import SwarmTrainer
 
 __all__ = [
-    "StatusConfig",
     "TrainingSessionConfig",
     "TrainingSummary",
-    "format_status",
     "json_lines_logger",
-    "read_nat_records",
-    "read_progress",
     "run_training_peer",
-    "status_json",
-    "status_table",
-    "watch_status",
+    "shard_of",
 ]
 
 _NUM_SHARDS = 2**40
@@ -306,21 +301,10 @@ def run_training_peer(
     """
     import torch  # noqa: PLC0415 - slow import, only for training
 
-    from p2ptrain.allreduce.bandwidth import ThroughputConfig  # noqa: PLC0415
-    from p2ptrain.allreduce.config import AllReduceConfig  # noqa: PLC0415
-    from p2ptrain.allreduce.matchmaking import MatchmakingConfig  # noqa: PLC0415
     from p2ptrain.app.collectors import dht_collector, nat_collector, node_collector  # noqa: PLC0415
-    from p2ptrain.app.task import load_task, lr_schedule  # noqa: PLC0415 - imports torch
-    from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
-    from p2ptrain.metrics import Metrics, MetricsServer  # noqa: PLC0415
-    from p2ptrain.peer import Peer, PeerConfig  # noqa: PLC0415
-    from p2ptrain.train import (  # noqa: PLC0415
-        CollaborativeOptimizer,
-        DiLoCoConfig,
-        DiLoCoOptimizer,
-        TrainerConfig,
-    )
-    from p2ptrain.train.base import SwarmTrainer  # noqa: PLC0415
+    from p2ptrain.app.task import load_task  # noqa: PLC0415 - imports torch
+    from p2ptrain.metrics import MetricsServer  # noqa: PLC0415
+    from p2ptrain.peer import Peer  # noqa: PLC0415
 
     # Every peer of a run builds the model from the same random state, so that
     # a task that does not seed its initialisation still starts each run from
@@ -331,166 +315,28 @@ def run_training_peer(
     emit = log or (lambda event: None)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    inner = task.optimizer
-    schedule = lr_schedule(task)
-
-    throughput = ThroughputConfig(
-        upload_bytes_per_s=None if config.upload_mbit is None else config.upload_mbit * _MBIT,
-        download_bytes_per_s=(
-            None if config.download_mbit is None else config.download_mbit * _MBIT
-        ),
-    )
-    peer_config = PeerConfig(
-        node=config.node,
-        dht=DHTNodeConfig(initial_peers=config.initial_peers),
-        matchmaking=MatchmakingConfig(
-            window=config.matchmaking_window, poll_interval=0.05, plan_timeout=5.0
-        ),
-        throughput=throughput,
-        identity_path=config.identity_path,
-        nat=config.nat,
-    )
-    codec = AllReduceConfig(codec=config.compression)
-    metrics = Metrics()
-    screen = _Display(display)
-    with Peer(peer_config) as peer:
-        metrics.add_collector(node_collector(peer.node))
-        metrics.add_collector(dht_collector(peer.dht.dht_node))
+    run = _Run(config, task, emit=emit, screen=_Display(display))
+    with Peer(_peer_config(config)) as peer:
+        run.metrics.add_collector(node_collector(peer.node))
+        run.metrics.add_collector(dht_collector(peer.dht.dht_node))
         if peer.nat is not None:
-            metrics.add_collector(nat_collector(peer.nat))
+            run.metrics.add_collector(nat_collector(peer.nat))
         server: MetricsServer | None = None
         if config.metrics_port is not None:
-            server = MetricsServer(metrics, host=config.metrics_host, port=config.metrics_port)
+            server = MetricsServer(run.metrics, host=config.metrics_host, port=config.metrics_port)
             peer.run(server.start(), timeout=10)
-        started_wall = time.time()
-        emit(
-            {
-                "event": "start",
-                "time": started_wall,
-                "peer_id": peer.peer_id.short,
-                "address": peer.address,
-                "reach": peer.reach,
-                "upload_mbit": config.upload_mbit,
-                "download_mbit": config.download_mbit,
-                "metrics_port": None if server is None else server.port,
-                **_digest(config, task.model),  # the task's initial parameters
-            }
-        )
+        run.started(peer, None if server is None else server.port)
         if announce is not None:
             announce(peer.address)
-        shard, num_shards = shard_of(peer.peer_id)
-        local, last_loss = 0, math.nan
-        trainer: SwarmTrainer
-        if config.diloco_inner_steps is not None:
-            diloco = DiLoCoConfig(
-                run_id=config.run_id,
-                inner_steps=config.diloco_inner_steps,
-                overlap=config.diloco_overlap,
-                outer_lr=_OVERLAP_OUTER_LR if config.diloco_overlap else DiLoCoConfig.outer_lr,
-                allreduce=codec,
-                progress=config.progress,
-            )
-            trainer = DiLoCoOptimizer(
-                inner, peer=peer, config=diloco, metrics=metrics, model=task.model
-            )
-        else:
-            trainer_config = TrainerConfig(
-                run_id=config.run_id,
-                target_batch_size=config.target_batch_size,
-                step_policy=config.step_policy,
-                allreduce=codec,
-                progress=config.progress,
-            )
-            trainer = CollaborativeOptimizer(
-                inner, peer=peer, config=trainer_config, metrics=metrics, model=task.model
-            )
-        checkpoint = config.checkpoint_path
-        if checkpoint is not None and Path(checkpoint).exists():
-            trainer.load_checkpoint(checkpoint)  # then start() downloads if the swarm moved on
+        trainer = _make_trainer(config, task, peer, run.metrics)
         try:
-            with trainer:
-                started = time.monotonic()
-                next_save = started + config.checkpoint_interval
-                deadline = math.inf if config.seconds is None else started + config.seconds
-                # A step waiting for its group ends on time too (or on stop).
-                trainer.stop_at(None if config.seconds is None else deadline, event=stop)
-                next_log = started
-                window_start, window_samples, rate = started, 0, 0.0
-                while (now := time.monotonic()) < deadline and not (stop and stop.is_set()):
-                    if now >= next_log:
-                        if now > window_start:
-                            rate = window_samples / (now - window_start)
-                        window_start, window_samples = now, 0
-                        view = trainer.swarm_progress()
-                        step = max(trainer.global_step, view.global_step)
-                        last_step = trainer.last_step
-                        emit(
-                            {
-                                "event": "progress",
-                                "time": time.time(),
-                                "elapsed": now - started,
-                                "peer_id": peer.peer_id.short,
-                                "global_step": trainer.global_step,
-                                "swarm_step": step,
-                                "local_steps": local,
-                                "loss": last_loss,
-                                "samples_per_s": rate,
-                                "swarm_samples_per_s": view.samples_per_s,
-                                "peers_online": view.peers_online,
-                                "rounds": trainer.stats.rounds,
-                                "local_rounds": trainer.stats.local_rounds,
-                                "target_batch_size": config.target_batch_size,
-                                "step_samples": None if last_step is None else last_step.samples,
-                                "step_own_samples": None if last_step is None else last_step.own,
-                                **_digest(config, task.model),
-                                "metrics": metrics.snapshot()["metrics"],
-                            }
-                        )
-                        screen.show(
-                            _progress_line(
-                                samples_per_s=rate,
-                                step=step,
-                                loss=last_loss,
-                                peers=view.peers_online,
-                                elapsed=now - started,
-                            )
-                        )
-                        next_log = now + config.log_interval
-                    schedule(trainer.global_step)
-                    batch = task.batch(local, config.batch_size, shard=shard, num_shards=num_shards)
-                    value = task.loss(batch)
-                    value.backward()  # type: ignore[no-untyped-call]  # torch stubs leave it untyped
-                    last_loss = float(value.item())
-                    local += 1
-                    window_samples += config.batch_size
-                    trainer.step(config.batch_size)
-                    if checkpoint is not None and time.monotonic() >= next_save:
-                        trainer.save_checkpoint(checkpoint)
-                        next_save = time.monotonic() + config.checkpoint_interval
-                elapsed = time.monotonic() - started
-                if checkpoint is not None:
-                    trainer.save_checkpoint(checkpoint)
-                stats = trainer.stats
-                final_step = trainer.global_step
-                announced = peer.capacity()  # what matchmaking announced last
+            summary, announced = run.train(peer, trainer, stop)
             if config.save_path is not None:
                 torch.save(task.model.state_dict(), config.save_path)
         finally:
-            screen.done()
+            run.screen.done()
             if server is not None:
                 peer.run(server.aclose(), timeout=10)
-        summary = TrainingSummary(
-            peer_id=peer.peer_id.short,
-            address=peer.address,
-            global_step=final_step,
-            local_steps=local,
-            samples_per_s=local * config.batch_size / elapsed if elapsed > 0 else 0.0,
-            loss=last_loss,
-            seconds=elapsed,
-            rounds=stats.rounds,
-            local_rounds=stats.local_rounds,
-            syncs=stats.syncs,
-        )
     emit(
         {
             "event": "end",
@@ -502,6 +348,216 @@ def run_training_peer(
         }
     )
     return summary
+
+
+def _peer_config(config: TrainingSessionConfig) -> PeerConfig:
+    """The :class:`~p2ptrain.peer.PeerConfig` of a session's peer."""
+    from p2ptrain.allreduce.bandwidth import ThroughputConfig  # noqa: PLC0415
+    from p2ptrain.allreduce.matchmaking import MatchmakingConfig  # noqa: PLC0415
+    from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
+    from p2ptrain.peer import PeerConfig  # noqa: PLC0415
+
+    throughput = ThroughputConfig(
+        upload_bytes_per_s=None if config.upload_mbit is None else config.upload_mbit * _MBIT,
+        download_bytes_per_s=(
+            None if config.download_mbit is None else config.download_mbit * _MBIT
+        ),
+    )
+    return PeerConfig(
+        node=config.node,
+        dht=DHTNodeConfig(initial_peers=config.initial_peers),
+        matchmaking=MatchmakingConfig(
+            window=config.matchmaking_window, poll_interval=0.05, plan_timeout=5.0
+        ),
+        throughput=throughput,
+        identity_path=config.identity_path,
+        nat=config.nat,
+    )
+
+
+def _make_trainer(
+    config: TrainingSessionConfig, task: TrainingTask, peer: Peer, metrics: Metrics
+) -> SwarmTrainer:
+    """The session's trainer: DiLoCo with ``diloco_inner_steps``, else the collaborative one,
+    from the checkpoint when there is one."""
+    from p2ptrain.allreduce.config import AllReduceConfig  # noqa: PLC0415
+    from p2ptrain.train import (  # noqa: PLC0415
+        CollaborativeOptimizer,
+        DiLoCoConfig,
+        DiLoCoOptimizer,
+        TrainerConfig,
+    )
+
+    codec = AllReduceConfig(codec=config.compression)
+    inner = task.optimizer
+    if config.diloco_inner_steps is not None:
+        diloco = DiLoCoConfig(
+            run_id=config.run_id,
+            inner_steps=config.diloco_inner_steps,
+            overlap=config.diloco_overlap,
+            outer_lr=_OVERLAP_OUTER_LR if config.diloco_overlap else DiLoCoConfig.outer_lr,
+            allreduce=codec,
+            progress=config.progress,
+        )
+        trainer: SwarmTrainer = DiLoCoOptimizer(
+            inner, peer=peer, config=diloco, metrics=metrics, model=task.model
+        )
+    else:
+        trainer_config = TrainerConfig(
+            run_id=config.run_id,
+            target_batch_size=config.target_batch_size,
+            step_policy=config.step_policy,
+            allreduce=codec,
+            progress=config.progress,
+        )
+        trainer = CollaborativeOptimizer(
+            inner, peer=peer, config=trainer_config, metrics=metrics, model=task.model
+        )
+    checkpoint = config.checkpoint_path
+    if checkpoint is not None and Path(checkpoint).exists():
+        trainer.load_checkpoint(checkpoint)  # then start() downloads if the swarm moved on
+    return trainer
+
+
+class _Run:
+    """A session's training loop: local batches, the trainer's steps, progress events."""
+
+    def __init__(
+        self,
+        config: TrainingSessionConfig,
+        task: TrainingTask,
+        *,
+        emit: Callable[[dict[str, Any]], None],
+        screen: _Display,
+    ) -> None:
+        from p2ptrain.app.task import lr_schedule  # noqa: PLC0415 - imports torch
+        from p2ptrain.metrics import Metrics  # noqa: PLC0415
+
+        self.config = config
+        self.task = task
+        self.emit = emit
+        self.screen = screen
+        self.metrics = Metrics()
+        self.schedule = lr_schedule(task)
+        self.peer_id = ""
+        self.shard, self.num_shards = 0, 1
+        self.local, self.last_loss = 0, math.nan
+        self.window_start, self.window_samples, self.rate = 0.0, 0, 0.0
+
+    def started(self, peer: Peer, metrics_port: int | None) -> None:
+        """The peer joined: take its data shard and emit the ``start`` event."""
+        config = self.config
+        self.peer_id = peer.peer_id.short
+        self.shard, self.num_shards = shard_of(peer.peer_id)
+        self.emit(
+            {
+                "event": "start",
+                "time": time.time(),
+                "peer_id": self.peer_id,
+                "address": peer.address,
+                "reach": peer.reach,
+                "upload_mbit": config.upload_mbit,
+                "download_mbit": config.download_mbit,
+                "metrics_port": metrics_port,
+                **_digest(config, self.task.model),  # the task's initial parameters
+            }
+        )
+
+    def train(
+        self, peer: Peer, trainer: SwarmTrainer, stop: threading.Event | None
+    ) -> tuple[TrainingSummary, PeerCapacity]:
+        """Train until the deadline or ``stop``; the summary and the capacity announced last."""
+        config = self.config
+        checkpoint = config.checkpoint_path
+        with trainer:
+            started = time.monotonic()
+            next_save = started + config.checkpoint_interval
+            deadline = math.inf if config.seconds is None else started + config.seconds
+            # A step waiting for its group ends on time too (or on stop).
+            trainer.stop_at(None if config.seconds is None else deadline, event=stop)
+            next_log = started
+            self.window_start, self.window_samples, self.rate = started, 0, 0.0
+            while (now := time.monotonic()) < deadline and not (stop and stop.is_set()):
+                if now >= next_log:
+                    self._report(trainer, now - started, now)
+                    next_log = now + config.log_interval
+                self._step(trainer)
+                if checkpoint is not None and time.monotonic() >= next_save:
+                    trainer.save_checkpoint(checkpoint)
+                    next_save = time.monotonic() + config.checkpoint_interval
+            elapsed = time.monotonic() - started
+            if checkpoint is not None:
+                trainer.save_checkpoint(checkpoint)
+            stats = trainer.stats
+            final_step = trainer.global_step
+            announced = peer.capacity()  # what matchmaking announced last
+        summary = TrainingSummary(
+            peer_id=self.peer_id,
+            address=peer.address,
+            global_step=final_step,
+            local_steps=self.local,
+            samples_per_s=self.local * config.batch_size / elapsed if elapsed > 0 else 0.0,
+            loss=self.last_loss,
+            seconds=elapsed,
+            rounds=stats.rounds,
+            local_rounds=stats.local_rounds,
+            syncs=stats.syncs,
+        )
+        return summary, announced
+
+    def _step(self, trainer: SwarmTrainer) -> None:
+        """One local batch: forward, backward, and the trainer's step."""
+        batch_size = self.config.batch_size
+        self.schedule(trainer.global_step)
+        batch = self.task.batch(
+            self.local, batch_size, shard=self.shard, num_shards=self.num_shards
+        )
+        value = self.task.loss(batch)
+        value.backward()  # type: ignore[no-untyped-call]  # torch stubs leave it untyped
+        self.last_loss = float(value.item())
+        self.local += 1
+        self.window_samples += batch_size
+        trainer.step(batch_size)
+
+    def _report(self, trainer: SwarmTrainer, elapsed: float, now: float) -> None:
+        """Emit a ``progress`` event and redraw the display line."""
+        if now > self.window_start:
+            self.rate = self.window_samples / (now - self.window_start)
+        self.window_start, self.window_samples = now, 0
+        view = trainer.swarm_progress()
+        step = max(trainer.global_step, view.global_step)
+        last_step = trainer.last_step
+        self.emit(
+            {
+                "event": "progress",
+                "time": time.time(),
+                "elapsed": elapsed,
+                "peer_id": self.peer_id,
+                "global_step": trainer.global_step,
+                "swarm_step": step,
+                "local_steps": self.local,
+                "loss": self.last_loss,
+                "samples_per_s": self.rate,
+                "swarm_samples_per_s": view.samples_per_s,
+                "peers_online": view.peers_online,
+                "rounds": trainer.stats.rounds,
+                "local_rounds": trainer.stats.local_rounds,
+                "target_batch_size": self.config.target_batch_size,
+                "step_samples": None if last_step is None else last_step.samples,
+                "step_own_samples": None if last_step is None else last_step.own,
+                **_digest(self.config, self.task.model),
+                "metrics": self.metrics.snapshot()["metrics"],
+            }
+        )
+        self.screen.show(
+            _progress_line(
+                samples_per_s=self.rate,
+                step=step,
+                loss=self.last_loss,
+                peers=view.peers_online,
+                elapsed=elapsed,
+            )
+        )
 
 
 def json_lines_logger(stream: IO[str]) -> Callable[[dict[str, Any]], None]:
@@ -518,109 +574,6 @@ def json_lines_logger(stream: IO[str]) -> Callable[[dict[str, Any]], None]:
     return write
 
 
-# -- status ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StatusConfig:
-    """Where ``p2ptrain status`` reads a run's progress.
-
-    Attributes:
-        initial_peers: Addresses to join the DHT through.
-        run_id: The run to report on.
-        timeout: Seconds to join and read.
-        node: How the reading peer's node is configured (swarm name, secret).
-    """
-
-    initial_peers: tuple[str, ...]
-    run_id: str = "charlm"
-    timeout: float = 20.0
-    node: NodeConfig = field(default_factory=lambda: NodeConfig(port=0))
-
-    def __post_init__(self) -> None:
-        _addresses("StatusConfig", self.initial_peers)
-        if not self.initial_peers:
-            raise ConfigError("StatusConfig.initial_peers must name at least one peer")
-        if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
-            raise ConfigError("StatusConfig.run_id must be a non-empty name without '/'")
-        _number("StatusConfig", "timeout", self.timeout, low=0.0, allow_none=False)
-        if not isinstance(self.node, NodeConfig):
-            raise ConfigError("StatusConfig.node must be a NodeConfig")
-
-
-async def read_progress(dht: DHT, run_id: str) -> list[PeerProgress]:
-    """Read the live progress records of ``run_id`` from ``dht`` (a started :class:`DHT`)."""
-    from p2ptrain.dht.records import key_owner, owner_bound_key  # noqa: PLC0415
-    from p2ptrain.errors import IdentityError, RemoteProtocolError  # noqa: PLC0415
-    from p2ptrain.train.tracker import PROGRESS_SUBKEY, progress_key  # noqa: PLC0415
-
-    entries = await dht.get_dictionary(progress_key(run_id))
-    records: list[PeerProgress] = []
-    for subkey, item in entries.items():
-        owner = key_owner(subkey)
-        if owner is None or subkey != owner_bound_key(PROGRESS_SUBKEY, owner):
-            continue
-        try:
-            records.append(PeerProgress.from_wire(PeerID.from_public_key(owner), item.value))
-        except (RemoteProtocolError, IdentityError):
-            continue
-    return records
-
-
-async def read_nat_records(dht: DHT, peers: Sequence[PeerID]) -> dict[PeerID, PeerRecord]:
-    """The NAT records of ``peers`` that published one (lookups that fail are left out)."""
-    import asyncio  # noqa: PLC0415
-
-    from p2ptrain.errors import P2PTrainError  # noqa: PLC0415
-    from p2ptrain.nat.records import find_record  # noqa: PLC0415 - p2ptrain.nat loads aiortc
-
-    async def one(peer: PeerID) -> PeerRecord | None:
-        try:
-            return await find_record(dht, peer)
-        except P2PTrainError:
-            return None
-
-    found = await asyncio.gather(*(one(peer) for peer in peers))
-    return {peer: record for peer, record in zip(peers, found, strict=True) if record is not None}
-
-
-def _reachability(record: PeerProgress, nat: PeerRecord | None = None) -> str:
-    """The "reach/path" cell: how the peer is reached, from its NAT record if it has one."""
-    if nat is not None:
-        if nat.nat == "public":
-            where = nat.addresses[0] if nat.addresses else "?"
-            return f"public, tcp-direct {where}"
-        paths = []
-        if nat.rendezvous:
-            if nat.holepunch:
-                paths.append("holepunch")
-            paths.append("webrtc")
-            if any(point.relay for point in nat.rendezvous):
-                paths.append("relay")
-        via = f"via {len(nat.rendezvous)} rendezvous" if nat.rendezvous else "no rendezvous"
-        return f"nat:{nat.nat}, {'/'.join(paths) or 'unreachable'} {via}"
-    if record.address is None:
-        return "client mode (dials out only)"
-    host_port = record.address.rsplit("@", 1)[-1]
-    reach = record.reach or "direct"
-    return f"{reach}, tcp-direct {host_port}" if reach != "direct" else f"direct {host_port}"
-
-
-def _bandwidth(record: PeerProgress) -> str:
-    """The "up/down MB/s" cell (1 MB = 10**6 bytes), or "?" for a peer that did not say."""
-    up, down = record.upload_bytes_per_s, record.download_bytes_per_s
-    if up is None or down is None:
-        return "?"
-    return f"{up / 1e6:.1f}/{down / 1e6:.1f}"
-
-
-def _step_samples(record: PeerProgress) -> str:
-    """The "step samples/target" cell: the samples of the peer's latest step, and its target."""
-    samples = "?" if record.last_step_samples is None else str(record.last_step_samples)
-    target = "?" if record.target is None else str(record.target)
-    return f"{samples}/{target}"
-
-
 def _seed(text: str) -> int:
     """A 63-bit torch seed from ``text``."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
@@ -633,204 +586,3 @@ def _digest(config: TrainingSessionConfig, model: torch.nn.Module) -> dict[str, 
     from p2ptrain.train.fingerprint import parameters_digest  # noqa: PLC0415 - torch
 
     return {"params_sha256": parameters_digest(list(model.parameters()))}
-
-
-def _ago(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    return f"{seconds:.1f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
-
-
-def format_status(
-    records: Sequence[PeerProgress],
-    *,
-    run_id: str,
-    now: float,
-    target_batch_size: int | None,
-    nat_records: Mapping[PeerID, PeerRecord] | None = None,
-) -> str:
-    """Format progress records as a table, one row per peer, highest step first.
-
-    Args:
-        records: The run's live records.
-        run_id: The run's name, for the heading.
-        now: The current time (Unix seconds), for "last seen".
-        target_batch_size: The run's target, if known, for the heading.
-        nat_records: The NAT records (:mod:`p2ptrain.nat.records`) of the
-            peers that run NAT traversal, for the "reach/path" column.
-    """
-    nat_records = nat_records or {}
-    view = aggregate(records, target_batch_size=target_batch_size, now=now)
-    if not view.records:
-        return f"run {run_id!r}: no live peers found"
-    headers = (
-        "PeerID",
-        "reach/path",
-        "samples/s",
-        "up/down MB/s",
-        "last seen",
-        "step samples/target",
-        "global step",
-    )
-    rows = [
-        (
-            r.peer_id.short,
-            _reachability(r, nat_records.get(r.peer_id)),
-            f"{r.samples_per_s:.1f}",
-            _bandwidth(r),
-            _ago(now - r.time),
-            _step_samples(r),
-            str(r.step),
-        )
-        for r in view.records
-    ]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-    heading = (
-        f"run {run_id!r}: {view.peers_online} peers online, global step {view.global_step}, "
-        f"{view.samples_per_s:.1f} samples/s"
-    )
-    return "\n".join(
-        [heading, line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
-    )
-
-
-def status_table(config: StatusConfig) -> str:
-    """Join the DHT as a client, read the run's progress records and format them.
-
-    Raises:
-        LookupFailedError: None of the initial peers answered.
-        DHTError: Joining and reading took longer than ``config.timeout``.
-    """
-    return watch_status(config, render=_table_of(config), count=1)[0]
-
-
-def status_json(
-    records: Sequence[PeerProgress],
-    *,
-    run_id: str,
-    now: float,
-    nat_records: Mapping[PeerID, PeerRecord] | None = None,
-) -> dict[str, Any]:
-    """The status of a run as a JSON-able dict (``p2ptrain status --json``).
-
-    Keys: ``run_id``, ``time``, ``peers_online``, ``global_step``,
-    ``samples_per_s`` and ``peers``, one dict per live peer (highest step
-    first) with ``peer_id``, ``reach``, ``samples_per_s``,
-    ``upload_bytes_per_s``, ``download_bytes_per_s``, ``last_seen_s`` and
-    ``global_step``.
-    """
-    nat_records = nat_records or {}
-    view = aggregate(records, target_batch_size=None, now=now)
-    return {
-        "run_id": run_id,
-        "time": now,
-        "peers_online": view.peers_online,
-        "global_step": view.global_step,
-        "samples_per_s": view.samples_per_s,
-        "peers": [
-            {
-                "peer_id": str(r.peer_id),
-                "reach": _reachability(r, nat_records.get(r.peer_id)),
-                "samples_per_s": r.samples_per_s,
-                "upload_bytes_per_s": r.upload_bytes_per_s,
-                "download_bytes_per_s": r.download_bytes_per_s,
-                "last_seen_s": max(0.0, now - r.time),
-                "global_step": r.step,
-            }
-            for r in view.records
-        ],
-    }
-
-
-_Render = Callable[[list[PeerProgress], "dict[PeerID, PeerRecord]", float], str]
-
-
-def _table_of(config: StatusConfig) -> _Render:
-    def render(records: list[PeerProgress], nat: dict[PeerID, PeerRecord], now: float) -> str:
-        return format_status(
-            records, run_id=config.run_id, now=now, target_batch_size=None, nat_records=nat
-        )
-
-    return render
-
-
-def _json_of(config: StatusConfig) -> _Render:
-    def render(records: list[PeerProgress], nat: dict[PeerID, PeerRecord], now: float) -> str:
-        return json.dumps(status_json(records, run_id=config.run_id, now=now, nat_records=nat))
-
-    return render
-
-
-def watch_status(
-    config: StatusConfig,
-    *,
-    render: _Render | None = None,
-    as_json: bool = False,
-    interval: float = 2.0,
-    count: int | None = None,
-    show: Callable[[str], None] | None = None,
-) -> list[str]:
-    """Read the run's status every ``interval`` seconds through one DHT client.
-
-    Args:
-        config: Where to read.
-        render: Formats one reading (default: the table, or JSON with ``as_json``).
-        as_json: Render each reading as one JSON line.
-        interval: Seconds between readings.
-        count: Readings to take, or ``None`` for as many as until interrupted.
-        show: Called with each rendered reading as it comes.
-
-    Returns:
-        The rendered readings (only the last one when ``count`` is None).
-
-    Raises:
-        LookupFailedError: None of the initial peers answered.
-        DHTError: Joining and the first reading took longer than ``config.timeout``.
-    """
-    import asyncio  # noqa: PLC0415
-
-    from p2ptrain.aio import run  # noqa: PLC0415
-    from p2ptrain.dht.api import DHT  # noqa: PLC0415
-    from p2ptrain.dht.node_config import DHTNodeConfig  # noqa: PLC0415
-
-    if count is not None and count < 1:
-        raise ConfigError("the status needs at least one reading")
-    _number("watch_status", "interval", interval, low=0.0, allow_none=False)
-    draw = render or (_json_of(config) if as_json else _table_of(config))
-    shown: list[str] = []
-
-    async def reading(dht: DHT) -> str:
-        records = await read_progress(dht, config.run_id)
-        nat = await read_nat_records(dht, [r.peer_id for r in records])
-        return draw(records, nat, time.time())
-
-    async def loop(dht: DHT) -> None:
-        taken = 0
-        while count is None or taken < count:
-            if taken:
-                await asyncio.sleep(interval)  # the refresh period, not a wait for a condition
-            try:
-                async with asyncio.timeout(config.timeout):
-                    text = await reading(dht)
-            except TimeoutError:
-                raise DHTError(f"no answer from the swarm within {config.timeout:g} s") from None
-            taken += 1
-            shown[:] = [*shown, text] if count is not None else [text]
-            if show is not None:
-                show(text)
-
-    async def main() -> None:
-        dht_config = DHTNodeConfig(initial_peers=config.initial_peers, client_mode=True)
-        try:
-            async with asyncio.timeout(config.timeout) as joining:
-                async with DHT(node_config=config.node, config=dht_config) as dht:
-                    joining.reschedule(None)  # joined: each reading has its own deadline
-                    await loop(dht)
-        except TimeoutError:
-            raise DHTError(f"no answer from the swarm within {config.timeout:g} s") from None
-
-    run(main())
-    return shown

@@ -16,7 +16,8 @@ from conftest import ChildLines, cli_process
 from test_task import documented_example
 
 from p2ptrain.app.cli import main
-from p2ptrain.app.train import TrainingSessionConfig, format_status, shard_of
+from p2ptrain.app.status import format_status
+from p2ptrain.app.train import TrainingSessionConfig, shard_of
 from p2ptrain.errors import ConfigError
 from p2ptrain.secure.identity import Identity
 from p2ptrain.train.progress import PeerProgress

@@ -168,3 +168,20 @@ def test_the_network_layers_import_without_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_the_package_root_holds_only_the_shared_basics() -> None:
+    """Everything else lives in a folder named for its concern."""
+    loose = sorted(path.stem for path in PACKAGE.glob("*.py"))
+    assert loose == ["__init__", "__main__", "aio", "errors", "metrics", "peer"]
+
+
+def test_no_function_of_the_application_layer_is_over_80_lines() -> None:
+    long = []
+    for path in sorted((PACKAGE / "app").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.name}:{node.name} ({lines} lines)")
+    assert long == []
