@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from p2ptrain.measure.probe import serve_probes
 from p2ptrain.metrics import Metrics
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.service import NATService
+from p2ptrain.node.address import is_unspecified_host
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.secure.identity import Identity
@@ -52,11 +52,7 @@ class BootstrapInfo:
 
 def _check_dialable(node_config: NodeConfig) -> None:
     host = node_config.announce_host or node_config.host
-    try:
-        unspecified = ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        unspecified = False
-    if unspecified:
+    if is_unspecified_host(host):
         raise ConfigError(
             f"others cannot dial {host}: give the host's public address with --announce-host"
         )

@@ -13,7 +13,6 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import math
 import os
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 from p2ptrain import __version__
 from p2ptrain.aio import run
 from p2ptrain.errors import ConfigError, P2PTrainError
-from p2ptrain.node.address import PeerAddress, is_loopback_host
+from p2ptrain.node.address import PeerAddress, is_loopback_host, is_unspecified_host
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.secure.handshake import AdmissionPolicy
 from p2ptrain.secure.identity import Identity
@@ -490,7 +489,7 @@ def _train_nat_config(args: argparse.Namespace) -> NATConfig | None:
     from p2ptrain.nat.config import NATConfig, ice_server_from_url  # noqa: PLC0415
     from p2ptrain.transport.webrtc_config import WebRTCConfig  # noqa: PLC0415
 
-    if mode == "public" and _unspecified(args.announce_host or args.host):
+    if mode == "public" and is_unspecified_host(args.announce_host or args.host):
         raise ConfigError("--nat public on 0.0.0.0 needs --announce-host (your public address)")
     stun = [text.removeprefix("stun:") for text in args.stun]
     servers = [ice_server_from_url(f"stun:{text}") for text in stun]
@@ -504,13 +503,6 @@ def _train_nat_config(args: argparse.Namespace) -> NATConfig | None:
         stun_servers=tuple(stun),
         webrtc=WebRTCConfig(connect_timeout=10.0, ice_servers=tuple(servers)),
     )
-
-
-def _unspecified(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
 
 
 def _identity(args: argparse.Namespace) -> Identity | None:

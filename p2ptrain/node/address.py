@@ -22,6 +22,14 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def is_unspecified_host(host: str) -> bool:
+    """Whether ``host`` is 0.0.0.0 or ``::`` (listen everywhere), which nobody can dial."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class PeerAddress:
     """Where a peer listens, and optionally who it must be.

@@ -46,22 +46,10 @@ from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import Identity, PeerID
+from p2ptrain.testing.clock import ManualClock
 
 START = 1_700_000_000.0
 SMALL = DHTConfig(max_value_bytes=1024, max_key_bytes=64, max_subkeys=8)
-
-
-class ManualClock:
-    """Unix time that only moves when a test says so."""
-
-    def __init__(self, now: float = START) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 DHTFactory = Callable[..., Coroutine[Any, Any, DHT]]
@@ -206,7 +194,7 @@ async def test_store_and_get_plain_values_across_peers(make_dht: DHTFactory) -> 
 
 
 async def test_newest_expiration_wins_and_expired_is_never_returned(make_dht: DHTFactory) -> None:
-    clock = ManualClock()
+    clock = ManualClock(START)
     a, b, c = await swarm(make_dht, 3, clock=clock)
     assert await a.store("k", "old", START + 10)
     assert await b.store("k", "new", START + 20)
@@ -224,7 +212,7 @@ async def test_newest_expiration_wins_and_expired_is_never_returned(make_dht: DH
 
 
 async def test_dictionary_entries_expire_on_their_own(make_dht: DHTFactory) -> None:
-    clock = ManualClock()
+    clock = ManualClock(START)
     a, b, c = await swarm(make_dht, 3, clock=clock)
     assert await a.store("group", {"rank": 0}, START + 10, subkey="alice")
     assert await b.store("group", {"rank": 1}, START + 30, subkey="bob")
@@ -697,7 +685,7 @@ async def test_run_standing_dht_node(make_dht: DHTFactory) -> None:
 
 
 async def test_republish_moves_records_to_new_closest_peers(make_dht: DHTFactory) -> None:
-    clock = ManualClock()
+    clock = ManualClock(START)
     config = DHTConfig(replicas=1, republish_interval=600, refresh_interval=10_000)
     a = await make_dht(dht=config, clock=clock, max_records_per_request=2)
     newcomer_identity = Identity.generate()
@@ -722,7 +710,7 @@ async def test_republish_moves_records_to_new_closest_peers(make_dht: DHTFactory
 
 
 async def test_idle_buckets_are_refreshed(make_dht: DHTFactory) -> None:
-    clock = ManualClock()
+    clock = ManualClock(START)
     config = DHTConfig(refresh_interval=100, k=4)
     peers = await swarm(make_dht, 6, dht=config, clock=clock)
     table = peers[0].dht_node.routing_table
