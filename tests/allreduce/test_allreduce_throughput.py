@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from allreduce_rounds import make_members, make_plan, weighted_mean
 from conftest import NodeFactory
-from test_allreduce import make_members, make_plan, weighted_mean
 
 from p2ptrain.allreduce import ThroughputConfig, ThroughputMeter, allreduce
 from p2ptrain.allreduce.protocol import METHOD, ResultHeader, codec_for

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_train_swarm import in_threads
 from torch import nn
 from train_worker import FAST_PROGRESS, backward, dataset, loss_of, make_model, peer_config, rows
+from training_peers import in_threads
 
 from p2ptrain.peer import Peer
 from p2ptrain.train.base import SwarmTrainer

@@ -7,10 +7,8 @@ parameters of every peer can be compared with a reference computed here.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,44 +17,15 @@ from train_worker import (
     FAST_MATCHMAKING,
     FAST_PROGRESS,
     backward,
-    dataset,
     make_model,
-    peer_config,
     rows,
 )
+from training_peers import BATCH, X, Y, in_threads, make_inner, start_peers, train_steps
 
-from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer
-
-T = TypeVar("T")
-BATCH = 16
-LR = 0.1
-X, Y = dataset(4096)
-
-
-def make_inner(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-
-
-def start_peers(
-    count: int, bootstrap: Peer | None = None, matchmaking: MatchmakingConfig = FAST_MATCHMAKING
-) -> list[Peer]:
-    peers: list[Peer] = []
-    try:
-        for _ in range(count):
-            first = bootstrap or (peers[0] if peers else None)
-            initial = (first.address,) if first is not None else ()
-            peer = Peer(peer_config(initial, matchmaking))
-            peer.start()
-            peers.append(peer)
-    except BaseException:
-        for peer in peers:
-            peer.close()
-        raise
-    return peers
 
 
 @pytest.fixture
@@ -65,25 +34,6 @@ def swarm() -> Iterator[list[Peer]]:
     yield peers
     for peer in peers:
         peer.close()
-
-
-def in_threads(jobs: list[Callable[[], T]], timeout: float = 60.0) -> list[T]:
-    """Run every job in its own thread; their results in order (re-raises failures)."""
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(job) for job in jobs]
-        return [f.result(timeout=timeout) for f in futures]
-
-
-def train_steps(
-    opt: CollaborativeOptimizer, model: nn.Module, shard: int, num_shards: int, steps: int
-) -> int:
-    """Compute one batch per global step until ``steps`` more global steps happened."""
-    goal = opt.global_step + steps
-    while opt.global_step < goal:
-        part = rows(opt.global_step, BATCH, shard=shard, num_shards=num_shards)
-        backward(model, X[part], Y[part])
-        opt.step(BATCH)
-    return opt.global_step
 
 
 def reference(steps: int, batches: list[list[slice]]) -> nn.Module:

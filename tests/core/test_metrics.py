@@ -417,8 +417,8 @@ class _Records(logging.Handler):
 @pytest.fixture(scope="module")
 def real_run() -> Iterator[RealRun]:
     """Three trainers on loopback, two global steps, each peer with its own registry."""
-    from test_train_swarm import BATCH, in_threads, make_inner, start_peers, train_steps
     from train_worker import FAST_PROGRESS, make_model
+    from training_peers import BATCH, in_threads, make_inner, start_peers, train_steps
 
     package = logging.getLogger("p2ptrain")
     handler, level = _Records(), package.level

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
+from allreduce_rounds import make_plan, run_round
 from conftest import NodeFactory
-from test_allreduce import make_plan, run_round
 
 from p2ptrain.allreduce import AllReduceService
 from p2ptrain.allreduce.protocol import ResultHeader, TimingAck, parse_result, parse_timing
