@@ -13,11 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from p2ptrain.app.train import _addresses, _number
+from p2ptrain.app.train import _addresses
 from p2ptrain.errors import ConfigError, DHTError
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.secure.identity import PeerID
 from p2ptrain.train.progress import PeerProgress, aggregate
+from p2ptrain.validate import check_number
 
 if TYPE_CHECKING:
     from p2ptrain.dht.api import DHT
@@ -56,7 +57,7 @@ class StatusConfig:
             raise ConfigError("StatusConfig.initial_peers must name at least one peer")
         if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
             raise ConfigError("StatusConfig.run_id must be a non-empty name without '/'")
-        _number("StatusConfig", "timeout", self.timeout, low=0.0, allow_none=False)
+        check_number("StatusConfig.timeout", self.timeout, above=0.0)
         if not isinstance(self.node, NodeConfig):
             raise ConfigError("StatusConfig.node must be a NodeConfig")
 
@@ -297,7 +298,7 @@ def watch_status(
 
     if count is not None and count < 1:
         raise ConfigError("the status needs at least one reading")
-    _number("watch_status", "interval", interval, low=0.0, allow_none=False)
+    check_number("watch_status.interval", interval, above=0.0)
     draw = render or (_json_of(config) if as_json else _table_of(config))
     shown: list[str] = []
 

@@ -27,6 +27,7 @@ from p2ptrain.errors import ConfigError
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.secure.identity import PeerID
 from p2ptrain.train.progress import ProgressConfig
+from p2ptrain.validate import check_integer, check_number
 
 if TYPE_CHECKING:
     import torch
@@ -51,22 +52,6 @@ _NUM_SHARDS = 2**40
 of even a thousand peers share one with probability below 10**-6."""
 _MBIT = 1e6 / 8
 _OVERLAP_OUTER_LR = 0.35  # DiLoCo outer lr with overlapped rounds (docs/training.md)
-
-
-def _number(owner: str, name: str, value: object, *, low: float, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{owner}.{name} must be a number, got {value!r}")
-    if not (math.isfinite(value) and value > low):
-        raise ConfigError(f"{owner}.{name} must be finite and > {low}, got {value!r}")
-
-
-def _integer(owner: str, name: str, value: object, *, low: int, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{owner}.{name} must be an int >= {low}, got {value!r}")
 
 
 def _addresses(owner: str, value: object) -> None:
@@ -157,31 +142,39 @@ class TrainingSessionConfig:
         _addresses(owner, self.initial_peers)
         if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
             raise ConfigError(f"{owner}.run_id must be a non-empty name without '/'")
-        _integer(owner, "target_batch_size", self.target_batch_size, low=1, allow_none=False)
-        _integer(owner, "batch_size", self.batch_size, low=1, allow_none=False)
+        check_integer(
+            f"{owner}.target_batch_size", self.target_batch_size, at_least=1, allow_none=False
+        )
+        check_integer(f"{owner}.batch_size", self.batch_size, at_least=1)
         if self.step_policy not in ("carry", "wait"):
             raise ConfigError(f"{owner}.step_policy must be 'carry' or 'wait'")
-        _number(owner, "seconds", self.seconds, low=0.0, allow_none=True)
-        _number(owner, "upload_mbit", self.upload_mbit, low=0.0, allow_none=True)
-        _number(owner, "download_mbit", self.download_mbit, low=0.0, allow_none=True)
-        _integer(owner, "metrics_port", self.metrics_port, low=0, allow_none=True)
+        check_number(f"{owner}.seconds", self.seconds, above=0.0, allow_none=True)
+        check_number(f"{owner}.upload_mbit", self.upload_mbit, above=0.0, allow_none=True)
+        check_number(f"{owner}.download_mbit", self.download_mbit, above=0.0, allow_none=True)
+        check_integer(f"{owner}.metrics_port", self.metrics_port, at_least=0, allow_none=True)
         if self.metrics_port is not None and self.metrics_port > 65535:
             raise ConfigError(f"{owner}.metrics_port must be at most 65535")
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
             raise ConfigError(f"{owner}.metrics_host must be a host name or address")
-        _number(owner, "log_interval", self.log_interval, low=0.0, allow_none=False)
+        check_number(f"{owner}.log_interval", self.log_interval, above=0.0)
         if not isinstance(self.node, NodeConfig):
             raise ConfigError(f"{owner}.node must be a NodeConfig")
         if self.task is not None and (not isinstance(self.task, str) or not self.task):
             raise ConfigError(f"{owner}.task must be a module name or a .py path")
-        _integer(owner, "torch_threads", self.torch_threads, low=1, allow_none=True)
-        _integer(owner, "diloco_inner_steps", self.diloco_inner_steps, low=1, allow_none=True)
+        check_integer(f"{owner}.torch_threads", self.torch_threads, at_least=1, allow_none=True)
+        check_integer(
+            f"{owner}.diloco_inner_steps", self.diloco_inner_steps, at_least=1, allow_none=True
+        )
         if not isinstance(self.diloco_overlap, bool):
             raise ConfigError(f"{owner}.diloco_overlap must be a bool")
         if self.diloco_overlap and self.diloco_inner_steps is None:
             raise ConfigError(f"{owner}.diloco_overlap needs diloco_inner_steps (--diloco H)")
-        _number(owner, "checkpoint_interval", self.checkpoint_interval, low=0.0, allow_none=False)
-        _number(owner, "matchmaking_window", self.matchmaking_window, low=0.0, allow_none=False)
+        check_number(
+            f"{owner}.checkpoint_interval", self.checkpoint_interval, above=0.0, allow_none=False
+        )
+        check_number(
+            f"{owner}.matchmaking_window", self.matchmaking_window, above=0.0, allow_none=False
+        )
         if self.compression not in ("none", "fp16", "bf16", "int8"):
             raise ConfigError(f"{owner}.compression must be none, fp16, bf16 or int8")
         if self.checkpoint_path is not None and not (

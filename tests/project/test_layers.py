@@ -21,7 +21,18 @@ PACKAGE = ROOT / "p2ptrain"
 # Bottom to top. Each rank is a tuple of sibling layers; each layer a tuple of
 # module-name prefixes. A module belongs to the layer with its longest prefix.
 LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
-    (("basics", ("p2ptrain", "p2ptrain.errors", "p2ptrain.aio", "p2ptrain.metrics")),),
+    (
+        (
+            "basics",
+            (
+                "p2ptrain",
+                "p2ptrain.errors",
+                "p2ptrain.aio",
+                "p2ptrain.metrics",
+                "p2ptrain.validate",
+            ),
+        ),
+    ),
     (("wire", ("p2ptrain.wire",)),),
     (("transport", ("p2ptrain.transport",)),),
     (("secure", ("p2ptrain.secure",)),),
@@ -173,7 +184,7 @@ def test_the_network_layers_import_without_torch() -> None:
 def test_the_package_root_holds_only_the_shared_basics() -> None:
     """Everything else lives in a folder named for its concern."""
     loose = sorted(path.stem for path in PACKAGE.glob("*.py"))
-    assert loose == ["__init__", "__main__", "aio", "errors", "metrics", "peer"]
+    assert loose == ["__init__", "__main__", "aio", "errors", "metrics", "peer", "validate"]
 
 
 def test_no_function_of_the_application_layer_is_over_80_lines() -> None:
