@@ -32,7 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
-from p2ptrain.testing.natlab_netns import python_env
+from p2ptrain.testing.natlab.netns import python_env
 
 if not __package__:  # run as a script: make the benchmarks package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

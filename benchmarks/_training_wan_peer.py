@@ -51,11 +51,11 @@ from benchmarks._training_wan_model import (
 def main(job: dict[str, Any]) -> None:
     from p2ptrain.allreduce.config import AllReduceConfig
     from p2ptrain.allreduce.matchmaking import MatchmakingConfig
+    from p2ptrain.app.train import TrainingSessionConfig
     from p2ptrain.dht.node_config import DHTNodeConfig
     from p2ptrain.examples.charlm.model import loss
     from p2ptrain.node.config import NodeConfig
     from p2ptrain.peer import Peer, PeerConfig
-    from p2ptrain.session import TrainingSessionConfig
     from p2ptrain.train import (
         CollaborativeOptimizer,
         DiLoCoConfig,

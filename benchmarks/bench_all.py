@@ -44,7 +44,7 @@ from typing import Any
 if not __package__:  # run as a script: make the benchmarks package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import DefaultsHelpFormatter, emit_json, find_hivemind, uvloop_available
-from p2ptrain.testing.natlab_netns import lab_unavailable
+from p2ptrain.testing.natlab.netns import lab_unavailable
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("transport", "dht", "allreduce", "lp", "training", "compression", "webrtc")

@@ -68,7 +68,7 @@ import torch
 from p2ptrain.allreduce import GroupPlan
 from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
 from p2ptrain.node.address import PeerAddress
-from p2ptrain.testing.natlab_netns import python_env
+from p2ptrain.testing.natlab.netns import python_env
 
 if not __package__:  # run as a script: make the benchmarks package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -99,7 +99,7 @@ from benchmarks._allreduce_systems import (
     vector_prepares,
 )
 from benchmarks._common import DefaultsHelpFormatter, emit_json, uvloop_available
-from p2ptrain.testing.natlab_netns import lab_unavailable
+from p2ptrain.testing.natlab.netns import lab_unavailable
 
 MiB = 1 << 20
 HIVEMIND_RETRIES = 3

@@ -29,11 +29,11 @@ import torch
 
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.matchmaking import MatchmakingConfig
+from p2ptrain.app.task import load_task, lr_schedule
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.examples.charlm.data import load_corpus
 from p2ptrain.examples.charlm.model import ModelConfig, loss
 from p2ptrain.peer import Peer, PeerConfig
-from p2ptrain.task import load_task, lr_schedule
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer
 from p2ptrain.train.progress import ProgressConfig

@@ -76,10 +76,10 @@ from p2ptrain.dht.protocol import (
 )
 from p2ptrain.dht.records import Record
 from p2ptrain.dht.routing import Contact, NodeID
-from p2ptrain.identity import Identity, PeerID
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.handlers import CallContext, Message
+from p2ptrain.secure.identity import Identity, PeerID
 from p2ptrain.transport.tcp import TCPTransport
 from p2ptrain.wire.frames import pack_body
 
@@ -429,7 +429,7 @@ async def measure_attack(
 MEMORY_CHILD = """
 import sys, os, numpy as np
 from p2ptrain.wire.buffers import default_pool
-from p2ptrain.memory import malloc_trim
+from p2ptrain.node.memory import malloc_trim
 def rss():
     for line in open('/proc/self/status'):
         if line.startswith('VmRSS:'):

@@ -218,8 +218,8 @@ def run_equivalence_single(job: dict[str, Any]) -> dict[str, Any]:
     to the losses at its fractions."""
     import torch
 
+    from p2ptrain.app.task import load_task, lr_schedule
     from p2ptrain.examples.charlm.model import evaluate
-    from p2ptrain.task import load_task, lr_schedule
 
     torch.set_num_threads(1)
     task = load_task(None)
@@ -260,11 +260,11 @@ def run_equivalence_peer(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from p2ptrain.allreduce.matchmaking import MatchmakingConfig
+    from p2ptrain.app.task import load_task, lr_schedule
+    from p2ptrain.app.train import TrainingSessionConfig
     from p2ptrain.dht.node_config import DHTNodeConfig
     from p2ptrain.examples.charlm.model import evaluate
     from p2ptrain.peer import Peer, PeerConfig
-    from p2ptrain.session import TrainingSessionConfig
-    from p2ptrain.task import load_task, lr_schedule
     from p2ptrain.train import CollaborativeOptimizer, TrainerConfig
 
     torch.set_num_threads(1)

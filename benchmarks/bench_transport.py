@@ -79,14 +79,14 @@ from typing import Any, cast
 
 import torch
 
-from p2ptrain.handshake import perform_handshake
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
-from p2ptrain.testing.natlab_netns import lab_unavailable
+from p2ptrain.secure.handshake import perform_handshake
+from p2ptrain.testing.natlab.netns import lab_unavailable
 from p2ptrain.transport.tcp import tcp_connect
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor
 

@@ -73,8 +73,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2ptrain.testing.natlab import HomeConfig, LabConfig, NatLab
-from p2ptrain.testing.natlab_netns import lab_unavailable
+from p2ptrain.testing.natlab.lab import HomeConfig, LabConfig, NatLab
+from p2ptrain.testing.natlab.netns import lab_unavailable
 from p2ptrain.transport.webrtc import WebRTCTransport
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
 from p2ptrain.transport.webrtc_connect import webrtc_connect

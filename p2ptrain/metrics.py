@@ -6,11 +6,12 @@ counters only go up (bytes sent, rounds, RPC failures), gauges are set
 (samples/s, peers online), timings are histograms (all-reduce seconds,
 matchmaking seconds), which Prometheus can add up across peers. Collectors are
 callbacks run at scrape time for figures that live elsewhere (a transport's
-byte counters): :func:`node_collector` (connections and bytes per path),
-:func:`dht_collector` (DHT requests), :func:`nat_collector` (traversals),
-:func:`allreduce_collector` (averaging rounds) and :func:`bootstrap_collector`
-(STUN answers, relay circuits and bytes). The registry also carries the
-process metrics (CPU seconds, resident memory, open files) under
+byte counters), returning :class:`Sample` lists (:func:`counter_sample`,
+:func:`histogram_samples`). This module knows no layer: the collectors live
+with what they read, :mod:`p2ptrain.app.collectors` (connections, DHT, NAT
+traversal, a bootstrap peer's services) and
+:func:`p2ptrain.train.round_stats.allreduce_collector` (averaging rounds).
+The registry also carries the process metrics (CPU seconds, resident memory, open files) under
 ``p2ptrain_process_*``.
 
 :class:`MetricsServer` serves ``GET /metrics`` with ``prometheus_client``'s
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -55,15 +56,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from p2ptrain.dht.stats import LATENCY_BUCKETS
 from p2ptrain.errors import ConfigError, ConnectError
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
-
-    from p2ptrain.dht.node import DHTNode
-    from p2ptrain.nat.service import NATService
-    from p2ptrain.train.round_stats import RoundStats
 
 __all__ = [
     "HELP",
@@ -74,12 +70,8 @@ __all__ = [
     "Metrics",
     "MetricsServer",
     "Sample",
-    "allreduce_collector",
-    "bootstrap_collector",
-    "dht_collector",
+    "counter_sample",
     "histogram_samples",
-    "nat_collector",
-    "node_collector",
 ]
 
 logger = logging.getLogger(__name__)
@@ -403,32 +395,9 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-class _TrafficSource(Protocol):
-    def traffic_by_path(self) -> dict[str, tuple[int, int]]: ...
-
-    def connections(self) -> list[Any]: ...
-
-
-def _counter(name: str, value: float, labels: Mapping[str, str] | None = None) -> Sample:
+def counter_sample(name: str, value: float, labels: Mapping[str, str] | None = None) -> Sample:
+    """A counter's value read at scrape time (for collectors)."""
     return Sample(name, value, labels or {}, "counter")
-
-
-def node_collector(node: _TrafficSource) -> Callable[[], list[Sample]]:
-    """A collector of a node's open connections and their bytes per path.
-
-    Use ``metrics.add_collector(node_collector(node))``. Bytes are
-    counters since the node started (closed connections keep counting).
-    """
-
-    def collect() -> list[Sample]:
-        samples = [Sample("p2ptrain_connections_open", len(node.connections()))]
-        for path, (sent, received) in sorted(node.traffic_by_path().items()):
-            labels = {"path": path}
-            samples.append(_counter("p2ptrain_path_bytes_sent_total", sent, labels))
-            samples.append(_counter("p2ptrain_path_bytes_received_total", received, labels))
-        return samples
-
-    return collect
 
 
 def histogram_samples(
@@ -454,134 +423,10 @@ def histogram_samples(
     for bound, count in zip([*bounds, math.inf], counts, strict=True):
         running += count
         le = "+Inf" if math.isinf(bound) else repr(float(bound))  # as prometheus_client writes it
-        out.append(_counter(f"{name}_bucket", running, {**base, "le": le}))
-    out.append(_counter(f"{name}_count", running, base))
-    out.append(_counter(f"{name}_sum", total, base))
+        out.append(counter_sample(f"{name}_bucket", running, {**base, "le": le}))
+    out.append(counter_sample(f"{name}_count", running, base))
+    out.append(counter_sample(f"{name}_sum", total, base))
     return out
-
-
-def dht_collector(node: DHTNode) -> Callable[[], list[Sample]]:
-    """A collector of a DHT node's requests by method, failures, latency and table size.
-
-    Use ``metrics.add_collector(dht_collector(peer.dht.dht_node))``.
-    """
-    stats = node.stats
-
-    def collect() -> list[Sample]:
-        samples = [
-            Sample("p2ptrain_dht_peers_known", len(node.routing_table)),
-            Sample("p2ptrain_dht_records_held", len(node.records)),
-        ]
-        for method, count in sorted(dict(stats.sent).items()):
-            labels = {"method": method}
-            samples.append(_counter("p2ptrain_dht_requests_total", count, labels))
-            seconds = stats.answer_seconds.get(method, 0.0)
-            counts = stats.answer_buckets.get(method, [0] * (len(LATENCY_BUCKETS) + 1))
-            samples += histogram_samples(
-                "p2ptrain_dht_response_seconds", LATENCY_BUCKETS, counts, seconds, labels
-            )
-        for (method, reason), count in sorted(dict(stats.failed).items()):
-            labels = {"method": method, "reason": reason}
-            samples.append(_counter("p2ptrain_dht_request_failures_total", count, labels))
-        for method, count in sorted(dict(stats.served).items()):
-            labels = {"method": method}
-            samples.append(_counter("p2ptrain_dht_requests_served_total", count, labels))
-        return samples
-
-    return collect
-
-
-def nat_collector(service: NATService) -> Callable[[], list[Sample]]:
-    """A collector of a peer's NAT traversals: paths taken, fallbacks, failures, durations.
-
-    Use ``metrics.add_collector(nat_collector(peer.nat))`` on a peer running
-    NAT traversal.
-    """
-    from p2ptrain.nat.stats import TRAVERSAL_BUCKETS  # noqa: PLC0415 - p2ptrain.nat imports us
-
-    stats = service.stats
-
-    def collect() -> list[Sample]:
-        connected = dict(stats.connected)
-        samples = [
-            _counter("p2ptrain_nat_traversal_failures_total", stats.failed),
-            _counter("p2ptrain_nat_crossing_dials_total", stats.crossing),
-            _counter("p2ptrain_nat_refused_total", service.refused),
-        ]
-        samples += histogram_samples(
-            "p2ptrain_nat_traversal_seconds", TRAVERSAL_BUCKETS, list(stats.buckets), stats.seconds
-        )
-        for path, count in sorted(connected.items()):
-            samples.append(_counter("p2ptrain_nat_traversals_total", count, {"path": path}))
-        for attempt, count in sorted(dict(stats.fallbacks).items()):
-            samples.append(_counter("p2ptrain_nat_fallbacks_total", count, {"path": attempt}))
-        return samples
-
-    return collect
-
-
-def allreduce_collector(stats: RoundStats) -> Callable[[], list[Sample]]:
-    """A collector of a trainer's all-reduce rounds: results, predicted seconds, bytes.
-
-    :class:`~p2ptrain.train.collaboration.Collaboration` registers one when
-    given a registry (and records the achieved seconds of each round in the
-    histogram ``p2ptrain_allreduce_seconds``).
-    """
-
-    def collect() -> list[Sample]:
-        samples = [
-            _counter("p2ptrain_allreduce_rounds_total", stats.rounds - stats.incomplete, _DONE),
-            _counter("p2ptrain_allreduce_rounds_total", stats.incomplete, _PARTLY),
-            _counter("p2ptrain_allreduce_predicted_seconds_count", stats.predicted_rounds),
-            _counter("p2ptrain_allreduce_predicted_seconds_sum", stats.predicted_seconds),
-            _counter("p2ptrain_allreduce_members_total", stats.members),
-            _counter("p2ptrain_allreduce_bytes_sent_total", stats.bytes_sent),
-            _counter("p2ptrain_allreduce_bytes_received_total", stats.bytes_received),
-            _counter("p2ptrain_allreduce_peers_dropped_total", stats.dropped),
-        ]
-        for stage, count in sorted(dict(stats.failures).items()):
-            samples.append(_counter("p2ptrain_allreduce_failures_total", count, {"stage": stage}))
-        if stats.last_seconds is not None:
-            samples.append(Sample("p2ptrain_allreduce_last_seconds", stats.last_seconds))
-            samples.append(Sample("p2ptrain_allreduce_last_group_size", stats.last_group_size))
-        if stats.last_predicted_seconds is not None:
-            samples.append(
-                Sample("p2ptrain_allreduce_last_predicted_seconds", stats.last_predicted_seconds)
-            )
-        return samples
-
-    return collect
-
-
-_DONE = {"result": "complete"}
-_PARTLY = {"result": "incomplete"}
-
-
-def bootstrap_collector(service: NATService) -> Callable[[], list[Sample]]:
-    """A collector of what a public peer serves others: STUN answers and relay circuits.
-
-    Use ``metrics.add_collector(bootstrap_collector(nat))`` on a bootstrap
-    peer (``p2ptrain bootstrap`` does); relay figures appear when it relays.
-    """
-
-    def collect() -> list[Sample]:
-        responders = [r for r in (service.stun, service.stun_alt) if r is not None]
-        samples = [
-            _counter("p2ptrain_stun_answers_total", sum(r.answered for r in responders)),
-            _counter("p2ptrain_stun_ignored_total", sum(r.ignored for r in responders)),
-        ]
-        server = service.rendezvous_server
-        relay = None if server is None else server.relay
-        if relay is not None:
-            samples += [
-                Sample("p2ptrain_relay_circuits_open", relay.active),
-                _counter("p2ptrain_relay_circuits_total", relay.opened),
-                _counter("p2ptrain_relay_circuits_refused_total", relay.refused),
-                _counter("p2ptrain_relay_bytes_total", relay.relayed_bytes),
-            ]
-        return samples
-
-    return collect
 
 
 class JsonLinesWriter:

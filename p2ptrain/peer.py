@@ -50,13 +50,14 @@ from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError
-from p2ptrain.identity import Identity, PeerID
 from p2ptrain.measure.estimates import EstimatorConfig, LinkEstimator, StreamTiming
 from p2ptrain.measure.latency import known_rtts
 from p2ptrain.measure.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, probe_peers
 from p2ptrain.node.address import PeerAddress, is_loopback_host
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
+from p2ptrain.secure.identity import Identity, PeerID
+from p2ptrain.validate import check_number
 
 if TYPE_CHECKING:  # p2ptrain.nat imports aiortc: loaded only when a peer traverses NATs
     from p2ptrain.nat.config import NATConfig
@@ -68,13 +69,6 @@ __all__ = ["Peer", "PeerConfig"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"PeerConfig.{name} must be a number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"PeerConfig.{name} must be positive and finite, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -130,7 +124,7 @@ class PeerConfig:
         if self.identity_path is not None and not isinstance(self.identity_path, str | Path):
             raise ConfigError("PeerConfig.identity_path must be a path or None")
         for name in ("default_bytes_per_s", "join_timeout", "start_timeout", "close_timeout"):
-            _positive(name, getattr(self, name))
+            check_number(f"PeerConfig.{name}", getattr(self, name))
         if self.use_uvloop is not None and not isinstance(self.use_uvloop, bool):
             raise ConfigError("PeerConfig.use_uvloop must be a bool or None")
         probe = self.probe_bytes

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from p2ptrain.handshake import AdmissionPolicy, HandshakeResult, perform_handshake
-from p2ptrain.identity import Identity, PeerID
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
+from p2ptrain.secure.handshake import AdmissionPolicy, HandshakeResult, perform_handshake
+from p2ptrain.secure.identity import Identity, PeerID
 from p2ptrain.testing.memory import memory_transport_pair
-from p2ptrain.testing.natlab_pytest import pytest_terminal_summary
+from p2ptrain.testing.natlab.plugin import pytest_terminal_summary
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.wire.frames import Frame
 
@@ -136,9 +136,9 @@ class ChildLines:
 
 
 def cli_process(*args: str) -> ChildLines:
-    """``python -m p2ptrain.cli ARGS`` as a :class:`ChildLines`."""
+    """``python -m p2ptrain.app.cli ARGS`` as a :class:`ChildLines`."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "p2ptrain.cli", *args],
+        [sys.executable, "-m", "p2ptrain.app.cli", *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -114,7 +114,7 @@ _PARSERS: dict[str, argparse.ArgumentParser | None] = {}
 
 
 def program_parser(program: str) -> argparse.ArgumentParser | None:
-    """The argparse parser of a module (``p2ptrain.cli``) or script (``benchmarks/x.py``).
+    """The argparse parser of a module (``p2ptrain.app.cli``) or script (``benchmarks/x.py``).
 
     The program runs until it parses its arguments, where it is stopped; None
     when it parses none (or the file or module does not exist).
@@ -173,7 +173,7 @@ def _choices_of_positionals(parser: argparse.ArgumentParser) -> list[object]:
 def check_argv(argv: list[str]) -> list[str]:
     """Problems with one command line of ours (empty when it names only what exists)."""
     if argv and argv[0] == "p2ptrain":
-        program, rest = "p2ptrain.cli", argv[1:]
+        program, rest = "p2ptrain.app.cli", argv[1:]
     elif len(argv) >= 3 and argv[0] in ("python", "python3") and argv[1] == "-m":
         program, rest = argv[2], argv[3:]
         if not program.startswith("p2ptrain"):
@@ -190,8 +190,8 @@ def check_argv(argv: list[str]) -> list[str]:
             return [f"{program}: no such file"]
     else:
         return []
-    if program.endswith(".cli") or program == "p2ptrain.cli":
-        program = "p2ptrain.cli"
+    if program == "p2ptrain.app.cli":
+        program = "p2ptrain.app.cli"
     elif importlib.util.find_spec(program) is None if not program.endswith(".py") else False:
         return [f"python -m {program}: no such module"]
     parser = program_parser(program)
@@ -227,7 +227,7 @@ def _check_tokens(program: str, parser: argparse.ArgumentParser, rest: list[str]
                     problems.append(f"{name}: no subcommand {token!r}")
                 break
             name, parser = f"{name} {token}", subcommands[token]
-            if program == "p2ptrain.cli" and token == "bench" and tokens:
+            if program == "p2ptrain.app.cli" and token == "bench" and tokens:
                 bench = tokens.pop(0)
                 script = f"benchmarks/bench_{bench}.py"
                 known = (_choices_of_positionals(parser) or [[]])[0]

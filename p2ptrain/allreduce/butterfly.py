@@ -72,10 +72,10 @@ from p2ptrain.errors import (
     TransportError,
     UnavailableError,
 )
-from p2ptrain.identity import PeerID
 from p2ptrain.measure.estimates import ArrivalTimer, StreamTiming
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.wire.buffers import default_pool
 
 __all__ = ["ButterflyRound", "RoundObserver"]

@@ -25,8 +25,8 @@ from typing import Any, Final
 
 from p2ptrain.allreduce.partition import shares_to_boundaries
 from p2ptrain.errors import ConfigError, IdentityError, RemoteProtocolError
-from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.wire.frames import pack_body
 from p2ptrain.wire.tensors import short_repr
 

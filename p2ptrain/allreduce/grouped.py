@@ -57,7 +57,7 @@ from p2ptrain.allreduce.partition import shares_to_boundaries
 from p2ptrain.allreduce.report import AllReduceReport
 from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.errors import ConfigError, P2PTrainError
-from p2ptrain.identity import PeerID
+from p2ptrain.secure.identity import PeerID
 
 __all__ = [
     "GroupedAverager",

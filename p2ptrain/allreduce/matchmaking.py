@@ -46,9 +46,9 @@ from p2ptrain.errors import (
     PermissionDeniedError,
     RemoteProtocolError,
 )
-from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.rpc.handlers import CallContext, Message
+from p2ptrain.secure.identity import PeerID
 
 __all__ = [
     "BalancedPlan",

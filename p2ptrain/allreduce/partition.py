@@ -58,6 +58,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from p2ptrain.errors import ConfigError
+from p2ptrain.validate import check_number
 
 __all__ = [
     "PeerCapacity",
@@ -82,11 +83,8 @@ FloatArray = NDArray[np.float64]
 
 
 def _check_positive_finite(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be positive and finite, got {value!r}")
-    return float(value)
+    check_number(name, value)
+    return float(value)  # type: ignore[arg-type]  # check_number made sure
 
 
 @dataclass(frozen=True, slots=True)

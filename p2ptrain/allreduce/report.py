@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from p2ptrain.identity import PeerID
 from p2ptrain.measure.estimates import StreamTiming
+from p2ptrain.secure.identity import PeerID
 
 __all__ = ["AllReduceReport", "ShardReport"]
 

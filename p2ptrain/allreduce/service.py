@@ -38,12 +38,12 @@ from p2ptrain.errors import (
     RPCError,
     StreamEndedError,
 )
-from p2ptrain.identity import PeerID
 from p2ptrain.measure.estimates import LinkEstimator
 from p2ptrain.measure.probe import PROBE_METHOD, serve_probes
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.secure.identity import PeerID
 
 __all__ = ["AllReduceService", "allreduce"]
 

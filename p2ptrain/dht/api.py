@@ -42,10 +42,10 @@ from p2ptrain.dht.records import (
     sign_record,
 )
 from p2ptrain.errors import ConfigError, RecordRejectedError, RemoteProtocolError
-from p2ptrain.identity import Identity, PeerID
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
+from p2ptrain.secure.identity import Identity, PeerID
 from p2ptrain.wire.frames import pack_body, unpack_body
 
 __all__ = ["DHT", "DictionaryValue", "ValueWithExpiration"]

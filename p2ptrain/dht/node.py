@@ -100,10 +100,10 @@ from p2ptrain.errors import (
     RemoteProtocolError,
     ResourceExhaustedError,
 )
-from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.handlers import CallContext, Message
+from p2ptrain.secure.identity import PeerID
 
 __all__ = ["DHTNode"]
 

@@ -44,8 +44,8 @@ from typing import Any
 from p2ptrain.dht.records import DictionaryRecord, Record, StoredValue
 from p2ptrain.dht.routing import Contact, NodeID
 from p2ptrain.errors import ConfigError, IdentityError, RemoteProtocolError
-from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.wire.frames import Buffer
 
 __all__ = [

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 from p2ptrain.dht.config import DHTConfig
 from p2ptrain.errors import RecordRejectedError
-from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify_signature
+from p2ptrain.secure.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify_signature
 
 __all__ = [
     "OWNER_MARKER",

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from p2ptrain.dht.config import DHTConfig
 from p2ptrain.errors import ConfigError
-from p2ptrain.identity import PeerID
+from p2ptrain.secure.identity import PeerID
 
 __all__ = [
     "ID_BITS",

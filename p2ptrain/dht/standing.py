@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
-from p2ptrain.identity import Identity
 from p2ptrain.node.config import NodeConfig
+from p2ptrain.secure.identity import Identity
 
 __all__ = ["run_standing_dht_node"]
 

@@ -2,7 +2,7 @@
 
 Plain dict increments on the node's loop, no locks: reading them from another
 thread (a metrics snapshot) sees a slightly stale but consistent-enough view.
-:func:`p2ptrain.metrics.dht_collector` exposes them.
+:func:`p2ptrain.app.collectors.dht_collector` exposes them.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ import asyncio
 from collections.abc import Sequence
 
 from p2ptrain.errors import P2PTrainError
-from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
+from p2ptrain.secure.identity import PeerID
 
 __all__ = ["known_rtts", "measure_rtts"]
 

@@ -13,10 +13,11 @@ See docs/nat-traversal.md. The pieces, bottom up:
 * :mod:`~p2ptrain.nat.paths`: path planning and :func:`connect_peer`.
 * :mod:`~p2ptrain.nat.service`: :class:`NATService`, all of it for one peer.
 * :mod:`~p2ptrain.nat.router`: :class:`NATRouter`, the node's dialer hook.
-* :mod:`~p2ptrain.nat.bootstrap`: :func:`run_bootstrap_peer`, ``p2ptrain bootstrap``.
+
+A bootstrap peer (``p2ptrain bootstrap``) composes all of it with a DHT node
+and a probe server: :func:`p2ptrain.app.bootstrap.run_bootstrap_peer`.
 """
 
-from p2ptrain.nat.bootstrap import BootstrapInfo, run_bootstrap_peer
 from p2ptrain.nat.config import ATTEMPTS, NATConfig, RelayLimits
 from p2ptrain.nat.holepunch import start_node
 from p2ptrain.nat.paths import LocalView, Traversal, connect_peer, plan_paths, traverse
@@ -29,7 +30,6 @@ from p2ptrain.nat.signaling import CircuitSignaling
 
 __all__ = [
     "ATTEMPTS",
-    "BootstrapInfo",
     "CircuitSignaling",
     "LocalView",
     "NATConfig",
@@ -46,7 +46,6 @@ __all__ = [
     "find_record",
     "plan_paths",
     "publish_record",
-    "run_bootstrap_peer",
     "start_node",
     "traverse",
 ]

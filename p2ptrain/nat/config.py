@@ -9,13 +9,13 @@ deadline, data-channel tuning) is a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import reuse_port_available
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
+from p2ptrain.validate import check_number
 
 __all__ = ["ATTEMPTS", "NATConfig", "RelayLimits", "ice_server_from_url"]
 
@@ -23,15 +23,6 @@ MiB = 1 << 20
 
 ATTEMPTS = ("tcp-direct", "tcp-reverse", "tcp-holepunch", "webrtc", "relay")
 """Every way of reaching a peer, cheapest first (see :mod:`p2ptrain.nat.paths`)."""
-
-
-def _check_positive(owner: str, name: str, value: object, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{owner}.{name} must be a number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{owner}.{name} must be positive and finite, got {value!r}")
 
 
 def _check_count(owner: str, name: str, value: object, low: int, high: int) -> None:
@@ -74,8 +65,8 @@ class RelayLimits:
     def __post_init__(self) -> None:
         owner = "RelayLimits"
         for name in ("pair_bytes_per_s", "total_bytes_per_s", "max_delay"):
-            _check_positive(owner, name, getattr(self, name))
-        _check_positive(owner, "circuit_seconds", self.circuit_seconds, allow_none=True)
+            check_number(f"{owner}.{name}", getattr(self, name))
+        check_number(f"{owner}.circuit_seconds", self.circuit_seconds, allow_none=True)
         for name in ("pair_burst_bytes", "total_burst_bytes"):
             _check_count(owner, name, getattr(self, name), 1024, 1 << 40)
         _check_count(owner, "max_circuits", self.max_circuits, 1, 100_000)
@@ -202,7 +193,7 @@ class NATConfig:
             "republish_interval",
             "retry_interval",
         ):
-            _check_positive(owner, name, getattr(self, name))
+            check_number(f"{owner}.{name}", getattr(self, name))
         if self.republish_interval >= self.record_ttl:
             raise ConfigError("NATConfig.republish_interval must be below record_ttl")
         if not isinstance(self.webrtc, WebRTCConfig):

@@ -51,12 +51,12 @@ import logging
 import socket
 
 from p2ptrain.errors import ConnectError, TransportTimeoutError
-from p2ptrain.identity import PeerID
 from p2ptrain.nat.signaling import CircuitSignaling
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import reuse_port_available
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.connection import Connection
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.transport.tcp import TCPTransport
 
 __all__ = [

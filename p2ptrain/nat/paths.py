@@ -55,7 +55,6 @@ from p2ptrain.errors import (
     P2PTrainError,
     TransportTimeoutError,
 )
-from p2ptrain.identity import PeerID
 from p2ptrain.nat.config import ATTEMPTS, NATConfig
 from p2ptrain.nat.holepunch import port_pair_taken, punch_initiator
 from p2ptrain.nat.records import NatKind, PeerRecord, RendezvousPoint, find_record
@@ -70,6 +69,7 @@ from p2ptrain.nat.signaling import (
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.connection import Connection
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
 from p2ptrain.transport.webrtc_connect import webrtc_connect

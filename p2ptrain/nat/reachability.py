@@ -33,7 +33,6 @@ from p2ptrain.errors import (
     RemoteProtocolError,
     TransportTimeoutError,
 )
-from p2ptrain.handshake import perform_handshake
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.records import NatKind
 from p2ptrain.nat.signaling import connection_of, observed_address, parse_endpoint
@@ -43,6 +42,7 @@ from p2ptrain.node.node import Node
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext, HandlerTable
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.secure.handshake import perform_handshake
 from p2ptrain.transport.tcp import tcp_connect
 
 __all__ = [

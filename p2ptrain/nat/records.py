@@ -28,8 +28,8 @@ from typing import Any, Literal, cast, get_args
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.records import key_owner
 from p2ptrain.errors import ConfigError, IdentityError, RemoteProtocolError
-from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
+from p2ptrain.secure.identity import PeerID
 
 __all__ = [
     "RECORD_PREFIX",

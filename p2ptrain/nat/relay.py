@@ -42,9 +42,9 @@ from p2ptrain.errors import (
     RemoteProtocolError,
     ResourceExhaustedError,
 )
-from p2ptrain.identity import PeerID
 from p2ptrain.nat.config import RelayLimits
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.wire.frames import Buffer, Frame, FrameDecoder, buffer_nbytes
 

@@ -26,7 +26,6 @@ from p2ptrain.errors import (
     RPCError,
     UnavailableError,
 )
-from p2ptrain.identity import PeerID
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.relay import RelayLimiter
 from p2ptrain.nat.signaling import (
@@ -43,6 +42,7 @@ from p2ptrain.nat.signaling import (
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext, HandlerTable
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.transport.webrtc_signaling import MAX_SIGNAL_BYTES
 
 __all__ = ["RendezvousServer", "splice"]

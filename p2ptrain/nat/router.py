@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import ipaddress
 import logging
 from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from p2ptrain.errors import NATTraversalError, P2PTrainError
-from p2ptrain.identity import PeerID
 from p2ptrain.nat.paths import Traversal
-from p2ptrain.node.address import PeerAddress
+from p2ptrain.node.address import PeerAddress, is_unspecified_host
 from p2ptrain.rpc.connection import Connection
+from p2ptrain.secure.identity import PeerID
 
 if TYPE_CHECKING:
     from p2ptrain.nat.service import NATService
@@ -57,13 +56,6 @@ async def routing_off(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` (as a task's body) with its dials going straight to TCP."""
     _ROUTING_OFF.set(True)  # the task's own copy of the context
     return await coro
-
-
-def _unspecified(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
 
 
 class NATRouter:
@@ -129,7 +121,7 @@ class NATRouter:
         return None if conn is None else conn.path
 
     def _skip_reason(self, address: PeerAddress, peer: PeerID) -> str | None:
-        if _unspecified(address.host):
+        if is_unspecified_host(address.host):
             return f"{address.host} is not an address others can dial"
         seen = self._undialable.get(peer)
         if seen is None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -56,7 +55,6 @@ from p2ptrain.errors import (
     PermissionDeniedError,
     TransportTimeoutError,
 )
-from p2ptrain.identity import PeerID
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.holepunch import (
     dial_from_listen_port,
@@ -82,11 +80,12 @@ from p2ptrain.nat.signaling import (
 )
 from p2ptrain.nat.stats import TraversalStats
 from p2ptrain.nat.stun import StunResponder, start_stun_responder
-from p2ptrain.node.address import PeerAddress
+from p2ptrain.node.address import PeerAddress, is_unspecified_host
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.secure.identity import PeerID
 
 __all__ = ["REVERSED", "NATService", "wins_crossing"]
 
@@ -100,14 +99,6 @@ _CROSSABLE = ("punch", "webrtc")  # paths that would make a second connection
 def wins_crossing(us: PeerID, them: PeerID) -> bool:
     """Whether our dial is the one kept when ``us`` and ``them`` dial each other at once."""
     return us.digest < them.digest
-
-
-def _is_unspecified(host: str) -> bool:
-    """Whether ``host`` is 0.0.0.0 or ::, which nobody can dial."""
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
 
 
 class NATService:
@@ -407,7 +398,7 @@ class NATService:
     def _public_endpoint(self) -> str | None:
         """Where others dial us: the announced host, else the address a dial-back saw."""
         address = self.node.address
-        if not _is_unspecified(address.host):
+        if not is_unspecified_host(address.host):
             return address.endpoint
         observed = parse_endpoint(self.reachability.observed if self.reachability else None)
         if observed is None:

@@ -71,10 +71,10 @@ from p2ptrain.errors import (
     StreamEndedError,
     TransportTimeoutError,
 )
-from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.transport.webrtc_signaling import MAX_SIGNAL_BYTES
 
 __all__ = [

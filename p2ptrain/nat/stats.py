@@ -1,4 +1,4 @@
-"""Counters of one peer's NAT traversals, for metrics (see :func:`p2ptrain.metrics.nat_collector`).
+"""A peer's NAT traversal counters (read by :func:`p2ptrain.app.collectors.nat_collector`).
 
 Plain integers bumped on the event loop; a snapshot from another thread may
 be one traversal behind, never torn.

@@ -7,7 +7,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from p2ptrain.errors import ConfigError, IdentityError
-from p2ptrain.identity import PeerID
+from p2ptrain.secure.identity import PeerID
 
 __all__ = ["PeerAddress", "is_loopback_host"]
 
@@ -18,6 +18,14 @@ def is_loopback_host(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_unspecified_host(host: str) -> bool:
+    """Whether ``host`` is 0.0.0.0 or ``::`` (listen everywhere), which nobody can dial."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
     except ValueError:
         return False
 

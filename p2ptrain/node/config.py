@@ -6,8 +6,8 @@ import socket
 from dataclasses import dataclass, field
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.handshake import AdmissionPolicy
 from p2ptrain.rpc.config import ConnectionConfig
+from p2ptrain.secure.handshake import AdmissionPolicy
 
 __all__ = ["NodeConfig", "reuse_port_available"]
 
@@ -46,7 +46,7 @@ class NodeConfig:
             source host (on loopback every local peer shares one source).
         memory_release_interval: seconds between two passes that hand memory
             nobody uses back to the system (idle pooled buffers, then the C
-            allocator's free pages; see :mod:`p2ptrain.memory`); 0 disables.
+            allocator's free pages; see :mod:`p2ptrain.node.memory`); 0 disables.
     """
 
     host: str = "127.0.0.1"

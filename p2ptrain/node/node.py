@@ -22,18 +22,18 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from p2ptrain.errors import HandshakeError, RemoteProtocolError, TransportError
-from p2ptrain.handshake import perform_handshake
-from p2ptrain.identity import Identity, PeerID
-from p2ptrain.memory import release_unused_memory
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.limits import InboundLimiter, RateLimitedLog
+from p2ptrain.node.memory import release_unused_memory
 from p2ptrain.node.network import Listener, Network, TCPNetwork
 from p2ptrain.node.router import Router
 from p2ptrain.rpc.budget import ByteBudget
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import HandlerTable, Message
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.secure.handshake import perform_handshake
+from p2ptrain.secure.identity import Identity, PeerID
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.transport.tcp import TCPTransport
 from p2ptrain.wire.frames import Buffer

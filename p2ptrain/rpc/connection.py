@@ -48,12 +48,12 @@ from p2ptrain.errors import (
     TransportTimeoutError,
     UnavailableError,
 )
-from p2ptrain.handshake import HandshakeResult
-from p2ptrain.identity import PeerID
 from p2ptrain.rpc.budget import ByteBudget
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, HandlerTable, Message, _Entry
 from p2ptrain.rpc.stream import FlowControlError, RPCStream
+from p2ptrain.secure.handshake import HandshakeResult
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.wire.frames import (
     FLAG_END,

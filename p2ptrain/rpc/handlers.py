@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.identity import PeerID
+from p2ptrain.secure.identity import PeerID
 
 if TYPE_CHECKING:
     from p2ptrain.rpc.stream import RPCStream

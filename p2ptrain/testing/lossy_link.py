@@ -23,7 +23,7 @@ Theory of operation:
   runs until SIGTERM/SIGINT and prints one JSON line of counters on exit.
 
 The process must run inside the network namespace that owns the tun device
-(``ip netns exec``); see :mod:`p2ptrain.testing.natlab`.
+(``ip netns exec``); see :mod:`p2ptrain.testing.natlab.lab`.
 """
 
 from __future__ import annotations

@@ -52,9 +52,9 @@ from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError, P2PTrainError
-from p2ptrain.identity import Identity, PeerID
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
+from p2ptrain.secure.identity import Identity, PeerID
 from p2ptrain.testing.simnet import LinkProfile, SimEndpoint, SimNetwork
 
 __all__ = ["HOME_LINKS", "SimPeer", "Simulation", "SimulationConfig", "StepResult"]

@@ -1,7 +1,7 @@
 """A star of shaped links: the heterogeneous all-reduce benchmark and ``p2ptrain demo --shaped``.
 
 N hosts, each in its own network namespace, hang off one Linux bridge in a
-hub namespace (built with the NAT lab's plumbing, ``p2ptrain.testing.natlab_netns``)::
+hub namespace (built with the NAT lab's plumbing, ``p2ptrain.testing.natlab.netns``)::
 
     host i (netns <lab>-p<i>)                hub (netns <lab>-hub)
       eth0 10.77.0.(i+1)/24  <--veth-->  h<i> --- br0 --- h<j> ...
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from p2ptrain.testing.natlab import tbf_args
-from p2ptrain.testing.natlab_netns import (
+from p2ptrain.testing.natlab.lab import tbf_args
+from p2ptrain.testing.natlab.netns import (
     cleanup_stale_labs,
     delete_netns,
     missing_tools,
@@ -50,7 +50,7 @@ from p2ptrain.testing.natlab_netns import (
     run_cmd,
     unavailable_reason,
 )
-from p2ptrain.testing.natlab_shim import ShimLink, start_shim, stop_shim
+from p2ptrain.testing.natlab.shim import ShimLink, start_shim, stop_shim
 
 __all__ = ["LinkSpec", "StarLab", "unavailable_reason"]
 

@@ -39,8 +39,8 @@ from p2ptrain.allreduce.grouped import GroupedAverager, GroupingConfig
 from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
 from p2ptrain.allreduce.report import AllReduceReport
 from p2ptrain.errors import ConfigError, MatchmakingError, P2PTrainError
-from p2ptrain.identity import PeerID
 from p2ptrain.peer import Peer
+from p2ptrain.secure.identity import PeerID
 
 __all__ = ["RoundOutcome", "SwarmAverager", "group_weight", "step_key"]
 

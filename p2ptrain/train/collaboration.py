@@ -43,14 +43,14 @@ from p2ptrain.errors import (
     StateSyncError,
     TrainingStoppedError,
 )
-from p2ptrain.metrics import Metrics, allreduce_collector
+from p2ptrain.metrics import Metrics
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.peer import Peer
 from p2ptrain.train.averaging import RoundOutcome, SwarmAverager
 from p2ptrain.train.cut import Placement, StepPolicy, place_batch
 from p2ptrain.train.policy import Action, LeadTimer, decide, step_is_near
 from p2ptrain.train.progress import ProgressConfig, RateMeter, SwarmProgress
-from p2ptrain.train.round_stats import RoundStats
+from p2ptrain.train.round_stats import RoundStats, allreduce_collector
 from p2ptrain.train.state import TrainingSnapshot
 from p2ptrain.train.state_sync import StateServer, StateSyncConfig, download_state
 from p2ptrain.train.tracker import ProgressTracker

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2ptrain.errors import ConfigError, RemoteProtocolError
-from p2ptrain.identity import PeerID
 from p2ptrain.node.address import PeerAddress
+from p2ptrain.secure.identity import PeerID
 
 __all__ = [
     "PeerProgress",

@@ -1,14 +1,17 @@
 """Running figures of a trainer's averaging rounds, fed with each :class:`RoundOutcome`.
 
 Plain attribute updates from the training thread; a metrics snapshot reads
-them as they are (:func:`p2ptrain.metrics.allreduce_collector`).
+them as they are (:func:`allreduce_collector`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from p2ptrain.metrics import Sample, counter_sample
 from p2ptrain.train.averaging import RoundOutcome
 
-__all__ = ["RoundStats"]
+__all__ = ["RoundStats", "allreduce_collector"]
 
 
 class RoundStats:
@@ -73,3 +76,44 @@ def _failed_stage(fallback: str | None) -> str | None:
     if fallback is None or fallback == "alone":
         return None
     return "matchmaking" if fallback.startswith("matchmaking") else "allreduce"
+
+
+def allreduce_collector(stats: RoundStats) -> Callable[[], list[Sample]]:
+    """A collector of a trainer's all-reduce rounds: results, predicted seconds, bytes.
+
+    :class:`~p2ptrain.train.collaboration.Collaboration` registers one when
+    given a registry (and records the achieved seconds of each round in the
+    histogram ``p2ptrain_allreduce_seconds``).
+    """
+
+    def collect() -> list[Sample]:
+        samples = [
+            counter_sample(
+                "p2ptrain_allreduce_rounds_total", stats.rounds - stats.incomplete, _DONE
+            ),
+            counter_sample("p2ptrain_allreduce_rounds_total", stats.incomplete, _PARTLY),
+            counter_sample("p2ptrain_allreduce_predicted_seconds_count", stats.predicted_rounds),
+            counter_sample("p2ptrain_allreduce_predicted_seconds_sum", stats.predicted_seconds),
+            counter_sample("p2ptrain_allreduce_members_total", stats.members),
+            counter_sample("p2ptrain_allreduce_bytes_sent_total", stats.bytes_sent),
+            counter_sample("p2ptrain_allreduce_bytes_received_total", stats.bytes_received),
+            counter_sample("p2ptrain_allreduce_peers_dropped_total", stats.dropped),
+        ]
+        for stage, count in sorted(dict(stats.failures).items()):
+            samples.append(
+                counter_sample("p2ptrain_allreduce_failures_total", count, {"stage": stage})
+            )
+        if stats.last_seconds is not None:
+            samples.append(Sample("p2ptrain_allreduce_last_seconds", stats.last_seconds))
+            samples.append(Sample("p2ptrain_allreduce_last_group_size", stats.last_group_size))
+        if stats.last_predicted_seconds is not None:
+            samples.append(
+                Sample("p2ptrain_allreduce_last_predicted_seconds", stats.last_predicted_seconds)
+            )
+        return samples
+
+    return collect
+
+
+_DONE = {"result": "complete"}
+_PARTLY = {"result": "incomplete"}

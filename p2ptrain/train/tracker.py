@@ -23,7 +23,7 @@ from collections.abc import Callable
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.records import key_owner, owner_bound_key
 from p2ptrain.errors import IdentityError, P2PTrainError, RemoteProtocolError
-from p2ptrain.identity import PeerID
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.train.progress import (
     PeerProgress,
     ProgressConfig,

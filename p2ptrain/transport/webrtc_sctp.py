@@ -54,7 +54,7 @@ a chunk's ``_misses``) before or after. No aiortc code is copied and no module
 constant is changed, so other associations in the process are untouched. The
 aiortc version (:data:`SUPPORTED_AIORTC`) and the internals relied upon are
 checked when tuning starts (:class:`UnsupportedAiortcError` if they differ;
-the connection then runs stock aiortc, with a warning); ``tests/test_webrtc.py``
+the connection then runs stock aiortc, with a warning); ``tests/transport/test_webrtc.py``
 runs the wrappers on real aiortc associations with deterministic packet loss.
 """
 

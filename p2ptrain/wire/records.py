@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Once the handshake (:mod:`p2ptrain.handshake`) has agreed on two 32-byte
+Once the handshake (:mod:`p2ptrain.secure.handshake`) has agreed on two 32-byte
 keys, one per direction, every frame travels as a *record*. A frame with
 msgpack header ``H`` and payload ``P`` (``n`` bytes, possibly none) becomes::
 

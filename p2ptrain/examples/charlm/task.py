@@ -1,4 +1,4 @@
-"""charlm as a ``p2ptrain train`` task (the default one; see :mod:`p2ptrain.task`)."""
+"""charlm as a ``p2ptrain train`` task (the default one; see :mod:`p2ptrain.app.task`)."""
 
 from __future__ import annotations
 

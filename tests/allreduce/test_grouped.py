@@ -1,0 +1,152 @@
+"""Pure pieces of grouped averaging: group count, slices, the gather plan."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from p2ptrain.allreduce.group import GroupMember, GroupPlan
+from p2ptrain.allreduce.grouped import (
+    GroupingConfig,
+    _gather_plan,
+    _slice_contributors,
+    _with_flags,
+    _without_flags,
+    group_count,
+    group_index,
+    slice_bounds,
+    slice_edges,
+)
+from p2ptrain.allreduce.report import AllReduceReport, ShardReport
+from p2ptrain.errors import ConfigError
+from p2ptrain.node.address import PeerAddress
+from p2ptrain.secure.identity import Identity
+
+
+def _plan(shares: list[float], num_elements: int = 101) -> GroupPlan:
+    members = []
+    for i, share in enumerate(shares):
+        identity = Identity.generate()
+        address = PeerAddress("10.0.0.1", 1000 + i) if share > 0 else None
+        members.append(GroupMember(identity.peer_id, address))
+    return GroupPlan.from_shares(members, shares, num_elements)
+
+
+def test_a_swarm_up_to_the_group_size_is_one_group() -> None:
+    assert group_count(1, 32) == 1
+    assert group_count(32, 32) == 1
+    assert group_count(33, 32) == 2
+    assert group_count(1024, 32) == 32
+
+
+def test_group_index_is_stable_and_spreads_peers_evenly() -> None:
+    ids = [Identity.generate().peer_id for _ in range(800)]
+    counts = [0] * 8
+    for peer_id in ids:
+        index = group_index(peer_id, 8)
+        assert index == group_index(peer_id, 8)
+        counts[index] += 1
+    assert min(counts) > 800 / 8 * 0.7
+
+
+def test_slices_cover_the_vector_and_follow_the_plan_shares() -> None:
+    assert slice_bounds(10, 4) == [0, 2, 5, 7, 10]
+    plan = _plan([0.5, 0.0, 0.25, 0.25])
+    edges = slice_edges(plan, 8)
+    assert edges == [0, 4, 4, 6, 8]  # the member without a part covers no slice
+
+
+def test_the_gather_plan_gives_each_member_its_slices_under_a_new_round_id() -> None:
+    plan = _plan([0.5, 0.0, 0.25, 0.25])
+    bounds = slice_bounds(plan.num_elements - 1, 8)
+    edges = slice_edges(plan, 8)
+    gather = _gather_plan(plan, edges, bounds)
+    assert gather.members == plan.members
+    assert gather.round_id != plan.round_id
+    # every slice is followed by its flag: plan.num_elements - 1 values, 8 flags
+    assert gather.num_elements == plan.num_elements - 1 + 8
+    assert [gather.part(i) for i in range(4)] == [
+        (bounds[edges[i]] + edges[i], bounds[edges[i + 1]] + edges[i + 1]) for i in range(4)
+    ]
+    assert gather.digest == _gather_plan(plan, edges, bounds).digest  # every member agrees
+
+
+def test_slice_flags_travel_after_their_slices_and_come_back_out() -> None:
+    bounds = slice_bounds(10, 4)  # [0, 2, 5, 7, 10]
+    average = torch.arange(10, dtype=torch.float32)
+    flagged = _with_flags(average, bounds, settled={0, 2})
+    assert flagged.tolist() == [0, 1, 1, 2, 3, 4, 0, 5, 6, 1, 7, 8, 9, 0]
+    out, flags = _without_flags(flagged, bounds)
+    assert torch.equal(out, average)
+    assert flags == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_a_slice_joins_its_column_only_if_one_set_of_members_averaged_all_of_it() -> None:
+    """After a partial group round a slice may mix averaged and local values, or
+    averages over different members: it must not join a column with the group's weight."""
+    plan = dataclasses.replace(_plan([0.5, 0.5], num_elements=8), chunk_elements=2)
+    shards = (
+        ShardReport(0, 0, 4, ((0, 1), (0, 1)), {}, None),
+        ShardReport(1, 4, 8, ((0,), None), {}, None),  # reducer 1 lost member 1, then failed
+    )
+    report = AllReduceReport(
+        b"r", tuple(m.peer_id for m in plan.members), 0, 1.0, shards, {}, 0, 0, 0, 0, 0, 0, 0, None
+    )
+    assert _slice_contributors(plan, report, 0, 4) == (0, 1)
+    assert _slice_contributors(plan, report, 1, 3) == (0, 1)
+    assert _slice_contributors(plan, report, 2, 5) is None  # (0, 1) and (0,)
+    assert _slice_contributors(plan, report, 4, 6) == (0,)
+    assert _slice_contributors(plan, report, 5, 8) is None  # a chunk kept local values
+
+
+def test_grouping_config_rejects_bad_values() -> None:
+    with pytest.raises(ConfigError):
+        GroupingConfig(group_size=1)
+    with pytest.raises(ConfigError):
+        GroupingConfig(group_window=0.0)
+    with pytest.raises(ConfigError):
+        GroupingConfig(max_group_factor=0.5)
+
+
+def test_the_swarm_averager_averages_in_groups_above_the_group_size() -> None:
+    import concurrent.futures
+
+    import torch
+
+    from p2ptrain.allreduce.config import AllReduceConfig
+    from p2ptrain.allreduce.matchmaking import MatchmakingConfig
+    from p2ptrain.dht.node_config import DHTNodeConfig
+    from p2ptrain.peer import Peer, PeerConfig
+    from p2ptrain.train.averaging import SwarmAverager
+
+    quick = MatchmakingConfig(window=1.0, poll_interval=0.1, ready_timeout=2.0, plan_timeout=5.0)
+    grouping = GroupingConfig(group_size=2, group_window=1.5, column_window=5.0)
+    peers: list[Peer] = []
+    try:
+        for _ in range(5):
+            initial = (peers[0].address,) if peers else ()
+            config = PeerConfig(
+                dht=DHTNodeConfig(initial_peers=initial), matchmaking=quick, probe_bytes=None
+            )
+            peers.append(Peer(config).__enter__())
+        averagers = [
+            SwarmAverager(peer=p, run_id="grouped", allreduce=AllReduceConfig(), grouping=grouping)
+            for p in peers
+        ]
+        vectors = [torch.full((100,), float(i)) for i in range(5)]
+        weights = [1.0, 2.0, 3.0, 4.0, 5.0]
+        futures = [
+            p.submit(a.average(0, v, w, group_size=5))
+            for p, a, v, w in zip(peers, averagers, vectors, weights, strict=True)
+        ]
+        results = [f.result(timeout=60) for f in concurrent.futures.as_completed(futures)]
+    finally:
+        for peer in peers:
+            peer.__exit__(None, None, None)
+    exact = sum(i * w for i, w in enumerate(weights)) / sum(weights)
+    for out, outcome in results:
+        assert outcome.fallback is None and outcome.complete
+        assert outcome.group_size < 5  # it averaged in a group, not with everybody
+        assert torch.allclose(out, torch.full((100,), exact), rtol=1e-6)

@@ -1,0 +1,201 @@
+"""Matchmaking over a real DHT on loopback: groups form, plans agree, the
+all-reduce runs on them, and peers that left are dropped."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from p2ptrain.allreduce.config import AllReduceConfig
+from p2ptrain.allreduce.group import GroupPlan
+from p2ptrain.allreduce.matchmaking import (
+    Balancer,
+    Matchmaker,
+    MatchmakingConfig,
+    plan_from_wire,
+    plan_to_wire,
+)
+from p2ptrain.allreduce.partition import PeerCapacity
+from p2ptrain.allreduce.service import AllReduceService
+from p2ptrain.dht.api import DHT
+from p2ptrain.dht.node_config import DHTNodeConfig
+from p2ptrain.errors import InvalidArgumentError, MatchmakingError
+from p2ptrain.node.node import Node
+
+FAST = MatchmakingConfig(
+    window=0.6,
+    poll_interval=0.05,
+    ready_timeout=1.0,
+    plan_timeout=5.0,
+    reduce_timeout=5.0,
+    round_timeout=10.0,
+)
+
+
+class Peer:
+    def __init__(self, node: Node, dht: DHT, matchmaker: Matchmaker) -> None:
+        self.node, self.dht, self.matchmaker = node, dht, matchmaker
+
+    async def aclose(self) -> None:
+        self.matchmaker.close()
+        await self.dht.aclose()
+        await self.node.aclose()
+
+
+async def start_peer(initial: tuple[str, ...], upload: float = 1e8) -> Peer:
+    node = Node()
+    await node.start()
+    AllReduceService.attach(node)
+    dht = DHT(node=node, config=DHTNodeConfig(initial_peers=initial))
+    await dht.start()
+    capacity = PeerCapacity(
+        upload_bytes_per_s=upload, download_bytes_per_s=upload, samples_per_s=10.0
+    )
+    return Peer(node, dht, Matchmaker(dht=dht, config=FAST, capacity=lambda: capacity))
+
+
+@pytest.fixture
+async def swarm() -> AsyncIterator[list[Peer]]:
+    first = await start_peer(())
+    peers = [first] + [await start_peer((str(first.node.address),)) for _ in range(4)]
+    yield peers
+    for peer in peers:
+        await peer.aclose()
+
+
+async def test_peers_agree_on_one_plan_and_average_with_it(swarm: list[Peer]) -> None:
+    plans = await asyncio.gather(
+        *(p.matchmaker.form_group("run/step-1", num_elements=1001) for p in swarm)
+    )
+    assert len({plan.round_id for plan in plans}) == 1
+    plan = plans[0]
+    assert {m.peer_id for m in plan.members} == {p.node.peer_id for p in swarm}
+    assert plan.num_elements == 1001
+    # Bandwidths are equal, so the LP gives (nearly) equal parts.
+    sizes = [plan.part(i)[1] - plan.part(i)[0] for i in range(plan.size)]
+    assert max(sizes) - min(sizes) <= 2
+    vectors = [torch.full((1001,), float(i)) for i in range(len(swarm))]
+    results = await asyncio.gather(
+        *(
+            AllReduceService.attach(p.node).allreduce(plan, v, 1.0)
+            for p, v in zip(swarm, vectors, strict=True)
+        )
+    )
+    for averaged, _report in results:
+        assert torch.allclose(averaged, torch.full((1001,), 2.0))
+
+
+async def test_a_peer_that_left_after_announcing_is_dropped(swarm: list[Peer]) -> None:
+    leaver, *stayers = swarm
+
+    async def announce_and_vanish() -> None:
+        await leaver.matchmaker._announce("run/step-2")  # visible in the DHT...
+        await leaver.node.aclose()  # ...then the peer is gone
+
+    results = await asyncio.gather(
+        announce_and_vanish(),
+        *(p.matchmaker.form_group("run/step-2", num_elements=64) for p in stayers),
+    )
+    plans: list[GroupPlan] = list(results[1:])
+    assert len({p.round_id for p in plans}) == 1
+    assert {m.peer_id for m in plans[0].members} == {p.node.peer_id for p in stayers}
+
+
+async def test_alone_is_too_few(swarm: list[Peer]) -> None:
+    with pytest.raises(MatchmakingError, match="too few"):
+        await swarm[0].matchmaker.form_group("run/lonely", num_elements=8)
+
+
+def test_plans_round_trip_and_malformed_plans_are_refused() -> None:
+    from p2ptrain.allreduce.group import GroupMember
+    from p2ptrain.node.address import PeerAddress
+    from p2ptrain.secure.identity import Identity
+
+    a, b = Identity.generate().peer_id, Identity.generate().peer_id
+    plan = GroupPlan.from_shares(
+        [GroupMember(a, PeerAddress("127.0.0.1", 1)), GroupMember(b, None)], [1.0, 0.0], 10
+    )
+    again = plan_from_wire(plan_to_wire(plan))
+    assert again.members == plan.members and again.boundaries == plan.boundaries
+    for bad in (
+        None,
+        {"m": "x"},
+        {**plan_to_wire(plan), "b": [0, 11, 10]},
+        {**plan_to_wire(plan), "m": [["nope", None]]},
+    ):
+        with pytest.raises(InvalidArgumentError):
+            plan_from_wire(bad)
+
+
+async def test_a_custom_balancer_and_codec_plug_in(swarm: list[Peer]) -> None:
+    """The research-guide extension points, end to end: a load balancer of our
+    own decides the parts, and a codec of our own carries them."""
+    from dataclasses import dataclass
+
+    from p2ptrain.allreduce import compression
+    from p2ptrain.allreduce.compression import CODEC_NAMES, Codec, NoneCodec, register_codec
+
+    @dataclass
+    class Plan:
+        shares: list[float]
+        round_time_s: float = 1.0
+
+    class FirstPeerAggregates:
+        def plan(self, peers, *, vector_bytes, target_batch_size):  # type: ignore[no-untyped-def]
+            return Plan([1.0] + [0.0] * (len(peers) - 1))
+
+    class Counting(NoneCodec):
+        name = "counting-test"
+        encoded = 0
+
+        def encode(self, tensor):  # type: ignore[no-untyped-def]
+            Counting.encoded += 1
+            return super().encode(tensor)
+
+    register_codec(Counting)
+    assert issubclass(Counting, Codec)
+    try:
+        await _run_with_custom_parts(
+            swarm, FirstPeerAggregates(), AllReduceConfig(codec=Counting.name)
+        )
+    finally:  # leave the registry as other tests expect it
+        compression._CODECS.pop(Counting.name)
+        CODEC_NAMES.remove(Counting.name)
+    assert Counting.encoded > 0
+
+
+async def _run_with_custom_parts(
+    swarm: list[Peer], balancer: Balancer, config: AllReduceConfig
+) -> None:
+    for peer in swarm[:3]:
+        peer.matchmaker._balancer = balancer
+    plans = await asyncio.gather(
+        *(p.matchmaker.form_group("run/custom", num_elements=300) for p in swarm[:3])
+    )
+    plan = plans[0]
+    assert [plan.part(i)[1] - plan.part(i)[0] for i in range(3)] == [300, 0, 0]
+    results = await asyncio.gather(
+        *(
+            AllReduceService.attach(p.node).allreduce(
+                plan, torch.full((300,), float(i)), 1.0, config=config
+            )
+            for i, p in enumerate(swarm[:3])
+        )
+    )
+    for averaged, _ in results:
+        assert torch.allclose(averaged, torch.full((300,), 1.0))
+
+
+async def test_an_expected_size_ends_gathering_but_keeps_every_announced_peer(
+    swarm: list[Peer],
+) -> None:
+    """A peer whose view expects 2 (it had not seen the third yet) still takes
+    all 3 that announced: a stale view must not cut a live peer out."""
+    key = "run/step-expected"
+    for peer in swarm[:3]:
+        await peer.matchmaker._announce(key)
+    candidates = await swarm[0].matchmaker._gather(key, expected=2)
+    assert {c.peer_id for c in candidates} == {p.node.peer_id for p in swarm[:3]}

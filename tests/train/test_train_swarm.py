@@ -1,0 +1,191 @@
+"""Collaborative training over real peers on loopback, each peer with its own loop thread.
+
+The peers live in this process (one :class:`Peer` each, driven by its own
+training thread), which is what the equivalence and join tests need: the
+parameters of every peer can be compared with a reference computed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from train_worker import (
+    FAST_MATCHMAKING,
+    FAST_PROGRESS,
+    backward,
+    make_model,
+    rows,
+)
+from training_peers import BATCH, X, Y, in_threads, make_inner, start_peers, train_steps
+
+from p2ptrain.metrics import Metrics
+from p2ptrain.peer import Peer
+from p2ptrain.train.config import TrainerConfig
+from p2ptrain.train.optimizer import CollaborativeOptimizer
+
+
+@pytest.fixture
+def swarm() -> Iterator[list[Peer]]:
+    peers = start_peers(4)
+    yield peers
+    for peer in peers:
+        peer.close()
+
+
+def reference(steps: int, batches: list[list[slice]]) -> nn.Module:
+    """One process, one optimizer, the rows of every step's shards at once."""
+    model = make_model(0)
+    inner = make_inner(model)
+    for step in range(steps):
+        index = torch.cat([torch.arange(s.start, s.stop) for s in batches[step]])
+        backward(model, X[index], Y[index])
+        inner.step()
+        inner.zero_grad()
+    return model
+
+
+def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-5)
+
+
+def test_four_peers_match_one_process_with_the_combined_batch(swarm: list[Peer]) -> None:
+    steps, n = 3, len(swarm)
+    config = TrainerConfig(
+        run_id="equivalence",
+        target_batch_size=n * BATCH,
+        max_local_samples_per_step=BATCH,
+        progress=FAST_PROGRESS,
+    )
+    models = [make_model(0) for _ in swarm]
+    metrics = Metrics()
+    opts = [
+        CollaborativeOptimizer(make_inner(m), peer=p, config=config, metrics=metrics if i else None)
+        for i, (m, p) in enumerate(zip(models, swarm, strict=True))
+    ]
+    for opt in opts:
+        opt.start()
+    try:
+        finals = in_threads(
+            [
+                lambda i=i: train_steps(opts[i], models[i], i, n, steps)  # type: ignore[misc]
+                for i in range(n)
+            ]
+        )
+    finally:
+        for opt in opts:
+            opt.close()
+    assert finals == [steps] * n
+    for opt in opts:
+        assert opt.stats.rounds == steps and opt.stats.local_rounds == 0
+        assert opt.stats.bytes_sent > 0
+    single = reference(steps, [[rows(t, n * BATCH)] for t in range(steps)])
+    for model in models:
+        assert_same_parameters(model, single)
+    # Three of the optimizers share one metrics registry.
+    assert metrics.counter("p2ptrain_train_rounds_total", {"outcome": "group"}) == 3 * steps
+    assert metrics.counter("p2ptrain_train_samples_total") == 3 * steps * BATCH
+    assert metrics.counter("p2ptrain_allreduce_bytes_sent_total") == sum(
+        o.stats.bytes_sent for o in opts[1:]
+    )
+
+
+def test_a_late_joiner_downloads_the_exact_state_and_joins_the_next_step(
+    swarm: list[Peer],
+) -> None:
+    first_steps, n = 2, len(swarm)
+    config = TrainerConfig(
+        run_id="join",
+        target_batch_size=(n + 1) * BATCH,  # the first steps happen when all four wait
+        max_local_samples_per_step=BATCH,
+        progress=FAST_PROGRESS,
+    )
+    models = [make_model(0) for _ in swarm]
+    opts = [
+        CollaborativeOptimizer(make_inner(m), peer=p, config=config)
+        for m, p in zip(models, swarm, strict=True)
+    ]
+    for opt in opts:
+        opt.start()
+    (joiner_peer,) = start_peers(1, bootstrap=swarm[0])
+    joiner_model = make_model(seed=99)  # different weights: they must be replaced
+    joiner = CollaborativeOptimizer(make_inner(joiner_model), peer=joiner_peer, config=config)
+    try:
+        in_threads(
+            [
+                lambda i=i: train_steps(opts[i], models[i], i, n, first_steps)  # type: ignore[misc]
+                for i in range(n)
+            ]
+        )
+        joiner.start()  # behind the swarm: downloads the state
+        assert joiner.global_step == first_steps
+        assert joiner.stats.syncs == 1
+        for ours, theirs in zip(joiner_model.parameters(), models[0].parameters(), strict=True):
+            assert torch.equal(ours, theirs)
+        momentum = [joiner.optimizer.state[p]["momentum_buffer"] for p in joiner_model.parameters()]
+        expected = [opts[0].optimizer.state[p]["momentum_buffer"] for p in models[0].parameters()]
+        for ours, theirs in zip(momentum, expected, strict=True):
+            assert torch.equal(ours, theirs)
+
+        everyone = [*opts, joiner]
+        every_model = [*models, joiner_model]
+        in_threads(
+            [
+                lambda i=i: train_steps(everyone[i], every_model[i], i, n + 1, 1)  # type: ignore[misc]
+                for i in range(n + 1)
+            ]
+        )
+    finally:
+        for opt in [*opts, joiner]:
+            opt.close()
+        joiner_peer.close()
+    assert joiner.global_step == first_steps + 1
+    assert joiner.stats.rounds == 1 and joiner.stats.local_rounds == 0
+    batches = [[rows(t, n * BATCH)] for t in range(first_steps)]
+    batches.append([rows(first_steps, BATCH, shard=i, num_shards=n + 1) for i in range(n + 1)])
+    single = reference(first_steps + 1, batches)
+    for model in every_model:
+        assert_same_parameters(model, single)
+
+
+def test_a_peer_two_steps_behind_downloads_the_state_at_its_next_step() -> None:
+    # The idle peer is expected in every group: a short window bounds the wait for it.
+    swarm = start_peers(3, matchmaking=dataclasses.replace(FAST_MATCHMAKING, window=0.5))
+    config = TrainerConfig(
+        run_id="straggler",
+        target_batch_size=2 * BATCH,
+        max_local_samples_per_step=BATCH,
+        progress=FAST_PROGRESS,
+    )
+    models = [make_model(0) for _ in range(3)]
+    opts = [
+        CollaborativeOptimizer(make_inner(m), peer=p, config=config)
+        for m, p in zip(models, swarm, strict=False)
+    ]
+    for opt in opts:
+        opt.start()
+    try:
+        # Two peers step twice while the third computes nothing.
+        in_threads(
+            [
+                lambda i=i: train_steps(opts[i], models[i], i, 2, 2)  # type: ignore[misc]
+                for i in range(2)
+            ]
+        )
+        straggler = opts[2]
+        assert straggler.global_step == 0
+        backward(models[2], X[:BATCH], Y[:BATCH])
+        assert straggler.step(BATCH)  # two steps behind: its batch is dropped, the state loaded
+        assert straggler.global_step == 2 and straggler.local_samples == 0
+        assert straggler.stats.syncs == 1 and straggler.stats.rounds == 0
+    finally:
+        for opt in opts:
+            opt.close()
+        for peer in swarm:
+            peer.close()
+    for a, b in zip(models[2].parameters(), models[0].parameters(), strict=True):
+        assert torch.equal(a, b)
