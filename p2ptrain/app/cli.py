@@ -709,7 +709,7 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    root = Path(__file__).resolve().parents[2] / "benchmarks"  # beside the package
     script = root / f"bench_{args.name}.py"
     if not script.is_file():
         raise ConfigError(

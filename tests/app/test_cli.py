@@ -167,3 +167,7 @@ def test_bench_names_match_scripts() -> None:
     assert set(BENCHMARKS) >= present - {"webrtc"}
     result = run_cli("bench", "nope")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+    # The command finds the scripts of a source checkout (it lost them once
+    # when the command line moved one folder down).
+    result = run_cli("bench", "lp", "--help")
+    assert result.returncode == 0 and "usage" in result.stdout, result.stderr
