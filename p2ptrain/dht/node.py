@@ -272,7 +272,9 @@ class DHTNode:
         return answered
 
     async def _greet(self, address: PeerAddress, failures: dict[str, str]) -> bool:
-        timeout = self.config.request_timeout
+        # A verifying peer holds a greeting's reply while it checks our address
+        # (see _serve_ping): budget for that wait on top of the request itself.
+        timeout = self.config.request_timeout + self._verify_wait
         started = time.perf_counter()
         self.stats.on_sent(METHOD_PING)
         try:
@@ -404,9 +406,11 @@ class DHTNode:
                 for task in done:
                     contact = pending.pop(task)
                     started.pop(task, None)
-                    if task in stragglers:
+                    if task in stragglers:  # the lookup gave up on it already
                         stragglers.discard(task)
-                        continue  # the lookup gave up on it already
+                        if not task.cancelled():
+                            task.exception()  # retrieved: a late failure is no news
+                        continue
                     try:
                         reply = task.result()
                     except _FAILURES as exc:

@@ -66,6 +66,7 @@ async def make_dht() -> AsyncIterator[DHTFactory]:
         dht: DHTConfig = SMALL,
         clock: Callable[[], float] = time.time,
         request_timeout: float = 2.0,
+        ping_timeout: float = 1.0,
         maintenance_interval: float = 3600.0,
         identity: Identity | None = None,
         **node_config: Any,
@@ -76,7 +77,7 @@ async def make_dht() -> AsyncIterator[DHTFactory]:
             client_mode=client_mode,
             initial_peers=peers,
             request_timeout=request_timeout,
-            ping_timeout=min(1.0, request_timeout),
+            ping_timeout=min(ping_timeout, request_timeout),
             maintenance_interval=maintenance_interval,
             **node_config,
         )
@@ -637,9 +638,12 @@ async def test_peers_joining_at_once_through_one_peer_learn_of_each_other(
 ) -> None:
     """A greeting is answered once the greeted peer checked the caller's address
     (verify_callers), so each join lookup finds the peers that joined before it."""
-    first = await make_dht()
+    # The library's timeouts (the factory's are short): the check, a dial back
+    # and a handshake, took over the factory's 1 s wait on a loaded machine.
+    patient = {"request_timeout": 5.0, "ping_timeout": 3.0}
+    first = await make_dht(**patient)
     assert first.dht_node.config.verify_callers  # the default
-    joiners = await asyncio.gather(*(make_dht(first) for _ in range(4)))
+    joiners = await asyncio.gather(*(make_dht(first, **patient) for _ in range(4)))
     peers = [first, *joiners]
     for peer in peers:
         await asyncio.wait_for(peer.dht_node.callers_verified(), 5)
