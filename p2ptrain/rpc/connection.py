@@ -32,6 +32,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from p2ptrain.aio import BackgroundTasks
 from p2ptrain.errors import (
     ConfigError,
     ConnectionClosedError,
@@ -119,7 +120,8 @@ class Connection:
         self._next_id = 1 if initiator else 2
         self._highest_remote_id = 0
         self._remote_parity = 0 if initiator else 1
-        self._handler_tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks(f"connection to {self.remote_peer.short}")
+        """The handlers serving the remote's streams, and the maintenance task."""
         self._pings: dict[int, asyncio.Future[None]] = {}
         self._ping_ids = itertools.count(1)
         self._loop = asyncio.get_running_loop()
@@ -131,7 +133,7 @@ class Connection:
         self._close_callbacks: list[Callable[[Connection], None]] = []
         # Before the receiver: a transport that closed meanwhile reports it
         # at once, and that cancels the maintenance task.
-        self._maintenance = self._loop.create_task(self._maintain(), name="conn-maintenance")
+        self._tasks.spawn(self._maintain(), name="conn-maintenance")
         transport.set_receiver(self)
         transport.set_payload_allocator(self._payload_buffer)
 
@@ -228,7 +230,7 @@ class Connection:
             with contextlib.suppress(ConnectionClosedError):
                 self._send_control(Frame(FrameType.GOAWAY, fields={"m": "closing"}))
         await self.transport.aclose()
-        await self._await_tasks()
+        await self._tasks.aclose()
 
     # -- FrameReceiver -----------------------------------------------------------------
 
@@ -248,10 +250,7 @@ class Connection:
         for waiter in self._pings.values():
             if not waiter.done():
                 waiter.set_exception(ConnectionClosedError("connection closed"))
-        for task in self._handler_tasks:
-            task.cancel()
-        if self._maintenance is not asyncio.current_task():
-            self._maintenance.cancel()
+        self._tasks.cancel()
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback(self)
@@ -336,10 +335,9 @@ class Connection:
         context = CallContext(
             self.remote_peer, method, deadline, self.path, self.transport.remote_address
         )
-        task = self._loop.create_task(self._serve(stream, entry, context), name=f"rpc:{method}")
-        stream.handler_task = task
-        self._handler_tasks.add(task)
-        task.add_done_callback(self._handler_tasks.discard)
+        stream.handler_task = self._tasks.spawn(
+            self._serve(stream, entry, context), name=f"rpc:{method}"
+        )
 
     def _on_stream_frame(self, frame: Frame) -> None:
         sid = frame.stream_id
@@ -484,13 +482,6 @@ class Connection:
             self.transport.close(TransportTimeoutError("the peer stopped reading"))
         finally:
             budget.give_back(size)
-
-    async def _await_tasks(self) -> None:
-        current = asyncio.current_task()
-        tasks = [t for t in (*self._handler_tasks, self._maintenance) if t is not current]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _maintain(self) -> None:
         """Keepalive PINGs while the remote is silent; close when idle too long."""
