@@ -2,7 +2,7 @@
 
 Usage (by ``bench_allreduce.py``)::
 
-    python benchmarks/_allreduce_hivemind.py --host 127.0.0.1 \
+    python -m benchmarks._allreduce_hivemind --host 127.0.0.1 \
         [--initial-peer MULTIADDR ...]
 
 One ``hivemind.DHT`` (with its p2p daemon) per peer, and one
@@ -40,8 +40,6 @@ from typing import Any
 
 import torch
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._allreduce_proto import (
     TOLERANCE,
     RoundOutcome,

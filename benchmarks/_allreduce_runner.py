@@ -27,8 +27,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._allreduce_proto import parse_line
 
 __all__ = [

@@ -71,14 +71,12 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks._common import JsonChild, emit_json, find_hivemind, format_table, plot_bars
+from benchmarks.harness import JsonChild, emit_json, find_hivemind, format_table, plot_bars
 
 __all__ = ["SYSTEMS", "add_wan_arguments", "resolve_wan_defaults", "run_wan"]
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-P2PTRAIN_WORKER = HERE / "_training_wan_peer.py"
-HIVEMIND_WORKER = HERE / "_training_wan_hivemind.py"
+P2PTRAIN_WORKER = "benchmarks._training_wan_peer"
+HIVEMIND_WORKER = "benchmarks._training_wan_hivemind"
 SYSTEMS = ("p2ptrain_sync", "p2ptrain_overlap", "p2ptrain_diloco", "hivemind")
 START_TIMEOUT = 180.0
 
@@ -148,14 +146,13 @@ class _Worker(JsonChild):
     """A worker process in host ``index``'s namespace; its stderr goes to a log file."""
 
     def __init__(  # noqa: PLR0917 - a private helper of this module
-        self, lab: Any, index: int, script: Path, job: dict[str, Any], python: str, log: Path
+        self, lab: Any, index: int, module: str, job: dict[str, Any], python: str, log: Path
     ) -> None:
         self.log = log
         self._log_file: IO[bytes] = log.open("wb")
         super().__init__(
-            script,
+            module,
             [json.dumps(job)],
-            root=ROOT,
             python=python,
             prefix=lab.argv(index, []),
             stderr=self._log_file,

@@ -29,14 +29,11 @@ Nothing of p2ptrain but the charlm example model is imported.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
 import torch
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._training_wan_model import (
     Commands,
     Recorder,

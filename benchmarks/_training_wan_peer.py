@@ -2,7 +2,7 @@
 
 Usage (by ``_training_wan.py``)::
 
-    python benchmarks/_training_wan_peer.py JOB_JSON
+    python -m benchmarks._training_wan_peer JOB_JSON
 
 ``JOB_JSON["system"]`` picks the trainer:
 
@@ -33,8 +33,6 @@ from typing import Any
 
 import torch
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._training_wan_model import (
     Commands,
     Recorder,

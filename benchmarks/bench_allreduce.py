@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_allreduce.py [--sizes 4,64,256] [--repeats 5] [--peers 4]
+    python -m benchmarks.bench_allreduce [--sizes 4,64,256] [--repeats 5] [--peers 4]
         [--chunk-kib 4096] [--p2ptrain-pool-mib N] [--profile-dir DIR] [--peer-detail]
         [--hivemind-python PATH | --no-hivemind] [--no-plaintext] [--skip-hetero] [--hetero-mb 16]
         [--hetero-chunk-kib 256] [--hetero-repeats N] [--shaped-only] [--skip-adaptive]
@@ -65,13 +65,6 @@ from typing import Any
 
 import torch
 
-from p2ptrain.allreduce import GroupPlan
-from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
-from p2ptrain.node.address import PeerAddress
-from p2ptrain.testing.natlab.netns import python_env
-
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._allreduce_adaptive import ADAPT_TOLERANCE, run_adaptive
 from benchmarks._allreduce_hetero import HeteroResult, run_hetero
 from benchmarks._allreduce_report import (
@@ -98,8 +91,11 @@ from benchmarks._allreduce_systems import (
     start_p2ptrain,
     vector_prepares,
 )
-from benchmarks._common import DefaultsHelpFormatter, emit_json, uvloop_available
-from p2ptrain.testing.natlab.netns import lab_unavailable
+from benchmarks.harness import DefaultsHelpFormatter, emit_json, uvloop_available
+from p2ptrain.allreduce import GroupPlan
+from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
+from p2ptrain.node.address import PeerAddress
+from p2ptrain.testing.natlab.netns import lab_unavailable, python_env
 
 MiB = 1 << 20
 HIVEMIND_RETRIES = 3
