@@ -8,6 +8,7 @@ or through the command line, ``p2ptrain bench transport --help`` (from a
 source checkout). Each prints side-by-side tables and, as its last line, one
 JSON object; :mod:`benchmarks.harness` holds what they share (child
 processes, event loops from :mod:`p2ptrain.aio`, statistics, tables, plots).
-A benchmark's helper modules are named after it (``_allreduce_*.py``,
-``_training_wan*.py``).
+A benchmark of one module is ``bench_NAME.py``; one with helper modules
+keeps them in a sub-package (``allreduce/`` for ``bench_allreduce``,
+``training_wan/`` for ``bench_training --wan``).
 """

@@ -41,8 +41,8 @@ counted in ``retried_rounds``).
 **Heterogeneous bandwidth** (root only; ``--skip-hetero`` to leave it out):
 eight peers in network namespaces with ``tc tbf`` links, the LP's shares
 against equal shares and gloo, each against its model's prediction; see
-``_allreduce_hetero.py`` for the scenario and why it was chosen. Then, in
-the same run, the adaptive scenarios of ``_allreduce_adaptive.py``
+``allreduce/hetero.py`` for the scenario and why it was chosen. Then, in
+the same run, the adaptive scenarios of ``allreduce/adaptive.py``
 (``--skip-adaptive`` leaves them out): the LP fed only by measurement, the
 throttle (the fastest link 1000 → 100 Mbit/s after round 3 of 10), and the
 same peers with 40 ms RTT at 1 and 16 MiB. ``--shaped-only`` runs just the
@@ -65,23 +65,23 @@ from typing import Any
 
 import torch
 
-from benchmarks._allreduce_adaptive import ADAPT_TOLERANCE, run_adaptive
-from benchmarks._allreduce_hetero import HeteroResult, run_hetero
-from benchmarks._allreduce_report import (
+from benchmarks.allreduce.adaptive import ADAPT_TOLERANCE, run_adaptive
+from benchmarks.allreduce.hetero import HeteroResult, run_hetero
+from benchmarks.allreduce.report import (
     Series,
     hetero_report,
     loopback_report,
     plot,
     profile_report,
 )
-from benchmarks._allreduce_runner import (
+from benchmarks.allreduce.runner import (
     BenchmarkError,
     NotPreparedError,
     PeerGroup,
     WrongAverageError,
     run_round,
 )
-from benchmarks._allreduce_systems import (
+from benchmarks.allreduce.systems import (
     find_hivemind_python,
     free_port,
     p2ptrain_plan,

@@ -54,7 +54,7 @@ synchronous, overlapped and DiLoCo trainers and with hivemind.Optimizer
 printed reason where it cannot import hivemind, or with ``--no-hivemind``),
 and reports per
 system samples/s, communication fraction, MB sent per peer and the time to
-a fixed held-out loss, with ratios against hivemind (``_training_wan.py``)::
+a fixed held-out loss, with ratios against hivemind (``training_wan/runner.py``)::
 
     python -m benchmarks.bench_training --wan [--steps 20] [--png wan.png] \
         [--hivemind-python PATH]
@@ -69,8 +69,8 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._training_wan import add_wan_arguments, run_wan
 from benchmarks.harness import DefaultsHelpFormatter, JsonChild, emit_json, format_table
+from benchmarks.training_wan.runner import add_wan_arguments, run_wan
 
 START_TIMEOUT = 120.0
 

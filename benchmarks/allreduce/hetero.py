@@ -51,9 +51,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks._allreduce_netlab import LinkSpec, StarLab
-from benchmarks._allreduce_runner import PeerGroup, Round, run_round
-from benchmarks._allreduce_systems import (
+from benchmarks.allreduce.netlab import LinkSpec, StarLab
+from benchmarks.allreduce.runner import PeerGroup, Round, run_round
+from benchmarks.allreduce.systems import (
     p2ptrain_plan,
     p2ptrain_prepares,
     start_gloo,

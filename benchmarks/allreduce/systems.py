@@ -1,6 +1,6 @@
 """How the all-reduce benchmark starts each system's peers and what it tells them per round.
 
-Every system is a :class:`~_allreduce_runner.PeerGroup` of one process per
+Every system is a :class:`~benchmarks.allreduce.runner.PeerGroup` of one process per
 peer; ``wrap(index, argv)`` turns a peer's command line into the one to run
 (identity on loopback, ``ip netns exec <ns> ...`` in the star lab). The
 ``*_prepares`` functions build one ``prepare`` command per peer for one round.
@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from benchmarks._allreduce_runner import PeerGroup
+from benchmarks.allreduce.runner import PeerGroup
 from benchmarks.harness import find_hivemind
 from p2ptrain.allreduce import GroupMember, GroupPlan
 from p2ptrain.node.address import PeerAddress
@@ -32,8 +32,8 @@ __all__ = [
     "vector_prepares",
 ]
 
-WORKER = "benchmarks._allreduce_workers"
-HIVEMIND_WORKER = "benchmarks._allreduce_hivemind"
+WORKER = "benchmarks.allreduce.workers"
+HIVEMIND_WORKER = "benchmarks.allreduce.hivemind"
 START_TIMEOUT = 120.0
 """Seconds a group of peers has to start (imports, DHT bootstrap, gloo rendezvous)."""
 

@@ -1,8 +1,8 @@
 """One hivemind.Optimizer peer of ``bench_training.py --wan`` (run by hivemind's interpreter).
 
-Usage (by ``_training_wan.py``, inside the peer's namespace)::
+Usage (by ``training_wan/runner.py``, inside the peer's namespace)::
 
-    HIVEMIND_PYTHON benchmarks/_training_wan_hivemind.py JOB_JSON
+    HIVEMIND_PYTHON benchmarks/training_wan/hivemind.py JOB_JSON
 
 The same model, seed, data shard, local batch, AdamW and target batch as the
 p2ptrain peers, trained with ``hivemind.Optimizer`` configured as its
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._training_wan_model import (
+from benchmarks.training_wan.model import (
     Commands,
     Recorder,
     build,

@@ -1,7 +1,7 @@
 """Output of the all-reduce benchmark: its tables, the goals, the plot.
 
 Everything here reads measurements (:class:`Series` of loopback rounds, a
-:class:`~_allreduce_hetero.HeteroResult`) and prints or draws them; the
+:class:`~benchmarks.allreduce.hetero.HeteroResult`) and prints or draws them; the
 functions return what goes into the JSON line.
 """
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._allreduce_hetero import TCP_GOODPUT, HeteroResult
-from benchmarks._allreduce_profile import summarize
-from benchmarks._allreduce_runner import Round
+from benchmarks.allreduce.hetero import TCP_GOODPUT, HeteroResult
+from benchmarks.allreduce.profile import summarize
+from benchmarks.allreduce.runner import Round
 from benchmarks.harness import format_table, uvloop_available
 
 __all__ = [
