@@ -173,7 +173,9 @@ class BackgroundTasks:
         Raises:
             RuntimeError: The owner is closed.
         """
-        return self._start(self._guard(coro, name), coro, name)
+        task = self._start(coro, name)
+        task.add_done_callback(self._log_failure)
+        return task
 
     def share(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
         """Run ``coro`` as a task whose outcome its callers await (one dial shared by many).
@@ -184,7 +186,7 @@ class BackgroundTasks:
         Raises:
             RuntimeError: The owner is closed.
         """
-        task = self._start(coro, coro, name)
+        task = self._start(coro, name)
         task.add_done_callback(_retrieve)
         return task
 
@@ -212,28 +214,21 @@ class BackgroundTasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _start(
-        self, runner: Coroutine[Any, Any, T], coro: Coroutine[Any, Any, Any], name: str
-    ) -> asyncio.Task[T]:
+    def _start(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
         if self._closed:
-            runner.close()
             coro.close()
             raise RuntimeError(f"{self._owner}: cannot start {name!r} after closing")
-        task = asyncio.get_running_loop().create_task(runner, name=name)
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
-
-        def finished(task: asyncio.Task[T]) -> None:
-            self._tasks.discard(task)
-            coro.close()  # never started if cancelled at once; a no-op otherwise
-
-        task.add_done_callback(finished)
+        task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _guard(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        try:
-            await coro
-        except Exception:
-            logger.exception("%s: background task %r failed", self._owner, name)
+    def _log_failure(self, task: asyncio.Task[Any]) -> None:
+        """The root of a spawned task: its exception is logged (and so retrieved)."""
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.error(
+                "%s: background task %r failed", self._owner, task.get_name(), exc_info=exc
+            )
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
