@@ -173,9 +173,7 @@ class BackgroundTasks:
         Raises:
             RuntimeError: The owner is closed.
         """
-        task = self._start(coro, name)
-        task.add_done_callback(self._log_failure)
-        return task
+        return self._start(coro, name, self._spawned_done)
 
     def share(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
         """Run ``coro`` as a task whose outcome its callers await (one dial shared by many).
@@ -186,9 +184,7 @@ class BackgroundTasks:
         Raises:
             RuntimeError: The owner is closed.
         """
-        task = self._start(coro, name)
-        task.add_done_callback(_retrieve)
-        return task
+        return self._start(coro, name, self._shared_done)
 
     def cancel(self) -> None:
         """Cancel every task without waiting (e.g. from a connection-lost callback).
@@ -214,23 +210,30 @@ class BackgroundTasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _start(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+    def _start(
+        self,
+        coro: Coroutine[Any, Any, T],
+        name: str,
+        done: Callable[[asyncio.Task[Any]], None],
+    ) -> asyncio.Task[T]:
         if self._closed:
             coro.close()
             raise RuntimeError(f"{self._owner}: cannot start {name!r} after closing")
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(done)
         return task
 
-    def _log_failure(self, task: asyncio.Task[Any]) -> None:
+    def _spawned_done(self, task: asyncio.Task[Any]) -> None:
         """The root of a spawned task: its exception is logged (and so retrieved)."""
+        self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             logger.error(
                 "%s: background task %r failed", self._owner, task.get_name(), exc_info=exc
             )
 
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
+    def _shared_done(self, task: asyncio.Task[Any]) -> None:
+        """A shared task's exception is its callers'; retrieved here in case none awaited."""
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()

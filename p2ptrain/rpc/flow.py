@@ -54,14 +54,11 @@ class StreamFlow:
     def __init__(
         self, *, send_window: int, send_frame_bytes: int, recv_window: int, recv_frame_bytes: int
     ) -> None:
-        for name, value in (
-            ("send_window", send_window),
-            ("send_frame_bytes", send_frame_bytes),
-            ("recv_window", recv_window),
-            ("recv_frame_bytes", recv_frame_bytes),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be positive, got {value}")
+        if min(send_window, send_frame_bytes, recv_window, recv_frame_bytes) < 1:
+            raise ValueError(
+                "windows and frame sizes must be positive, got"
+                f" {send_window}, {send_frame_bytes}, {recv_window}, {recv_frame_bytes}"
+            )
         self._credit = send_window
         self._credit_limit = send_window + send_frame_bytes
         self._recv_limit = recv_window + recv_frame_bytes
@@ -191,19 +188,25 @@ class UnreadBytes:
         Raises:
             FlowControlError: they do not fit (:meth:`refusal` says why); nothing is counted.
         """
-        if not self.fits(nbytes):
+        before = self.used
+        after = before + nbytes
+        reserve = self._reserve
+        pooled = max(0, after - reserve) - max(0, before - reserve)
+        if after > self._limit or not self._pool.fits(pooled):
             raise FlowControlError(self.refusal(nbytes))
-        before = self._pooled(self.used)
-        self.used += nbytes
-        self._pool.used += self._pooled(self.used) - before
+        self.used = after
+        self._pool.used += pooled
 
     def release(self, nbytes: int) -> None:
         """``nbytes`` counted by :meth:`charge` were read or dropped."""
-        if not 0 <= nbytes <= self.used:
-            raise ValueError(f"cannot release {nbytes} of {self.used} unread bytes")
-        before = self._pooled(self.used)
-        self.used -= nbytes
-        self._pool.give_back(before - self._pooled(self.used))
+        before = self.used
+        if not 0 <= nbytes <= before:
+            raise ValueError(f"cannot release {nbytes} of {before} unread bytes")
+        after = self.used = before - nbytes
+        reserve = self._reserve
+        pooled = max(0, before - reserve) - max(0, after - reserve)
+        if pooled:
+            self._pool.give_back(pooled)
 
     def _pooled(self, unread: int) -> int:
         """Of ``unread`` bytes, those charged to the node-wide pool."""
