@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_all.py --out DIR [--only transport,dht] [--quick]
+    python -m benchmarks.bench_all --out DIR [--only transport,dht] [--quick]
         [--hivemind-python PATH]
     p2ptrain bench all --out DIR
 
@@ -41,12 +41,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import DefaultsHelpFormatter, emit_json, find_hivemind, uvloop_available
+from benchmarks.harness import (
+    DefaultsHelpFormatter,
+    child_env,
+    emit_json,
+    find_hivemind,
+    module_argv,
+    uvloop_available,
+)
 from p2ptrain.testing.natlab.netns import lab_unavailable
 
-HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("transport", "dht", "allreduce", "lp", "training", "compression", "webrtc")
 """Every benchmark, in the order they run (transport's table opens the report)."""
 TIMEOUT_S = 3600.0
@@ -135,11 +139,7 @@ def plan(
     runs: list[Outcome] = []
     skipped: list[str] = []
     for name in names:
-        argv = [
-            sys.executable,
-            str(HERE / f"bench_{name}.py"),
-            *(QUICK_ARGS[name].split() if quick else []),
-        ]
+        argv = module_argv(f"benchmarks.bench_{name}", *(QUICK_ARGS[name].split() if quick else []))
         run = Outcome(name, argv)
         if name == "webrtc" and lab_reason is not None:
             skipped.append(f"webrtc: needs the NAT lab: {lab_reason}")
@@ -173,6 +173,7 @@ def execute(run: Outcome, out: Path) -> None:
         try:
             done = subprocess.run(
                 run.argv,
+                env=child_env(),
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,

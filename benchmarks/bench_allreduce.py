@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_allreduce.py [--sizes 4,64,256] [--repeats 5] [--peers 4]
+    python -m benchmarks.bench_allreduce [--sizes 4,64,256] [--repeats 5] [--peers 4]
         [--chunk-kib 4096] [--p2ptrain-pool-mib N] [--profile-dir DIR] [--peer-detail]
         [--hivemind-python PATH | --no-hivemind] [--no-plaintext] [--skip-hetero] [--hetero-mb 16]
         [--hetero-chunk-kib 256] [--hetero-repeats N] [--shaped-only] [--skip-adaptive]
@@ -41,8 +41,8 @@ counted in ``retried_rounds``).
 **Heterogeneous bandwidth** (root only; ``--skip-hetero`` to leave it out):
 eight peers in network namespaces with ``tc tbf`` links, the LP's shares
 against equal shares and gloo, each against its model's prediction; see
-``_allreduce_hetero.py`` for the scenario and why it was chosen. Then, in
-the same run, the adaptive scenarios of ``_allreduce_adaptive.py``
+``allreduce/hetero.py`` for the scenario and why it was chosen. Then, in
+the same run, the adaptive scenarios of ``allreduce/adaptive.py``
 (``--skip-adaptive`` leaves them out): the LP fed only by measurement, the
 throttle (the fastest link 1000 → 100 Mbit/s after round 3 of 10), and the
 same peers with 40 ms RTT at 1 and 16 MiB. ``--shaped-only`` runs just the
@@ -65,30 +65,23 @@ from typing import Any
 
 import torch
 
-from p2ptrain.allreduce import GroupPlan
-from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
-from p2ptrain.node.address import PeerAddress
-from p2ptrain.testing.natlab.netns import python_env
-
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._allreduce_adaptive import ADAPT_TOLERANCE, run_adaptive
-from benchmarks._allreduce_hetero import HeteroResult, run_hetero
-from benchmarks._allreduce_report import (
+from benchmarks.allreduce.adaptive import ADAPT_TOLERANCE, run_adaptive
+from benchmarks.allreduce.hetero import HeteroResult, run_hetero
+from benchmarks.allreduce.report import (
     Series,
     hetero_report,
     loopback_report,
     plot,
     profile_report,
 )
-from benchmarks._allreduce_runner import (
+from benchmarks.allreduce.runner import (
     BenchmarkError,
     NotPreparedError,
     PeerGroup,
     WrongAverageError,
     run_round,
 )
-from benchmarks._allreduce_systems import (
+from benchmarks.allreduce.systems import (
     find_hivemind_python,
     free_port,
     p2ptrain_plan,
@@ -98,8 +91,11 @@ from benchmarks._allreduce_systems import (
     start_p2ptrain,
     vector_prepares,
 )
-from benchmarks._common import DefaultsHelpFormatter, emit_json, uvloop_available
-from p2ptrain.testing.natlab.netns import lab_unavailable
+from benchmarks.harness import DefaultsHelpFormatter, emit_json, uvloop_available
+from p2ptrain.allreduce import GroupPlan
+from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
+from p2ptrain.node.address import PeerAddress
+from p2ptrain.testing.natlab.netns import lab_unavailable, python_env
 
 MiB = 1 << 20
 HIVEMIND_RETRIES = 3

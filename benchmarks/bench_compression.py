@@ -1,6 +1,6 @@
 """Gradient compression: what each all-reduce codec costs in loss and saves in bytes.
 
-    python benchmarks/bench_compression.py [--steps 150] [--png compression.png]
+    python -m benchmarks.bench_compression [--steps 150] [--png compression.png]
 
 Two peers on loopback train the charlm example (the command line's default
 task) from the same initial parameters, in one process, once per

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_dht.py [--nodes 64] [--keys 200] [--churn 0.1] [--replicas 5]
+    python -m benchmarks.bench_dht [--nodes 64] [--keys 200] [--churn 0.1] [--replicas 5]
         [--throughput-nodes 8] [--throughput-gets 500] [--in-flight 10]
         [--hivemind-python PATH | --no-hivemind] [--uvloop | --no-uvloop] [--json-only]
 
@@ -44,7 +44,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import subprocess
 import sys
@@ -53,13 +52,13 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import (
+from benchmarks.harness import (
     DefaultsHelpFormatter,
+    child_env,
     emit_json,
     find_hivemind,
     format_table,
+    module_argv,
     percentile,
     run,
     uvloop_available,
@@ -344,10 +343,17 @@ def find_hivemind_python(args: argparse.Namespace) -> tuple[str | None, str]:
 
 def run_hivemind(python: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload on hivemind in a subprocess; its result dict (or an error)."""
-    argv = [python, os.path.abspath(__file__), "--role", "hivemind", *forwarded(args)]
+    argv = module_argv(
+        "benchmarks.bench_dht", "--role", "hivemind", *forwarded(args), python=python
+    )
     try:
         proc = subprocess.run(
-            argv, capture_output=True, text=True, check=False, timeout=HIVEMIND_TIMEOUT
+            argv,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=HIVEMIND_TIMEOUT,
+            env=child_env(),
         )
     except subprocess.TimeoutExpired:
         return {"error": f"hivemind run exceeded {HIVEMIND_TIMEOUT:.0f} s"}

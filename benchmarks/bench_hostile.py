@@ -54,13 +54,13 @@ import sys
 import time
 from typing import Any
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import (
+from benchmarks.harness import (
     DefaultsHelpFormatter,
+    child_env,
     emit_json,
     format_table,
     median,
+    module_argv,
     percentile,
     wait_for_stdin_eof,
 )
@@ -100,7 +100,6 @@ SIGNED_KEY = "healthy/signed"
 UNSIGNED_KEY = "healthy/unsigned"
 DICT_KEY = "healthy/progress"
 READY = "ATTACKING"
-SCRIPT = os.path.abspath(__file__)
 
 
 # -- the swarm -------------------------------------------------------------------------------
@@ -382,9 +381,9 @@ async def measure_attack(
     victim = swarm[0]
     before, before_errors = await healthy.run_for(args.before)
     rss_base = victim.rss_mb()
-    command = [sys.executable, SCRIPT, "--attack", name, *(b.address for b in swarm)]
+    command = module_argv("benchmarks.bench_hostile", "--attack", name, *(b.address for b in swarm))
     child = subprocess.Popen(  # noqa: ASYNC220 - started once per attack, not timed
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env()
     )
     assert child.stdout is not None and child.stdin is not None
     loop = asyncio.get_running_loop()

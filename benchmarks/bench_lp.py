@@ -12,25 +12,20 @@ Prints a table, then as its last line one JSON object with the figures.
 
 Usage::
 
-    python benchmarks/bench_lp.py [--sizes 8 64 256] [--resolves 50] [--solver CLARABEL]
+    python -m benchmarks.bench_lp [--sizes 8 64 256] [--resolves 50] [--solver CLARABEL]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 
+from benchmarks.harness import DefaultsHelpFormatter
 from p2ptrain.allreduce.lp import LoadBalancer, LoadBalancerConfig, PeerCapacity
-
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import DefaultsHelpFormatter
 
 MB = 1e6
 VECTOR_BYTES = 4 * 110_000_000  # an ALBERT-large-sized fp32 gradient, roughly

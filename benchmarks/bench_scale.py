@@ -30,7 +30,7 @@ counted_fraction, max_rel_error, ...}``), ``real_peers``, ``real_steps``,
 
 Usage::
 
-    python benchmarks/bench_scale.py [--sizes 16,64,256,1024] [--steps 2]
+    python -m benchmarks.bench_scale [--sizes 16,64,256,1024] [--steps 2]
         [--vector-elements 262144] [--group-size 32] [--churn 0.1]
         [--real-peers 48] [--real-steps 10] [--no-real] [--no-sim] [--png out.png]
 """
@@ -49,11 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks._common import DefaultsHelpFormatter, JsonChild, emit_json, format_table
+from benchmarks.harness import DefaultsHelpFormatter, JsonChild, emit_json, format_table
 
 # -- one simulated size (child process) -------------------------------------------------------
 
@@ -227,7 +223,7 @@ class Child(JsonChild):
     """A ``--sim`` or ``--real`` worker of this script."""
 
     def __init__(self, flag: str, job: dict[str, Any]) -> None:
-        super().__init__(__file__, [flag, json.dumps(job)], root=ROOT)
+        super().__init__("benchmarks.bench_scale", [flag, json.dumps(job)])
 
 
 def run_sim(args: argparse.Namespace, peers: int) -> dict[str, Any]:

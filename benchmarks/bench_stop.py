@@ -1,6 +1,6 @@
 """How long after ``--seconds`` a ``p2ptrain train`` peer ends.
 
-    python benchmarks/bench_stop.py [--trials 3] [--seconds 8,11]
+    python -m benchmarks.bench_stop [--trials 3] [--seconds 8,11]
 
 A real ``p2ptrain bootstrap`` and, per trial, one ``p2ptrain train`` peer per
 value of ``--seconds`` (8 and 11 by default), all in one run: the first to

@@ -29,7 +29,7 @@ Prints a table, then as its last line one JSON object with
 
 Usage::
 
-    python benchmarks/bench_training.py [--peers 4] [--batch 16] [--steps 8]
+    python -m benchmarks.bench_training [--peers 4] [--batch 16] [--steps 8]
         [--batches-per-step 4] [--inner-steps 20] [--rounds 3] [--single-batches 60]
 
 ``--equivalence`` measures instead whether a step holds the batch the user set
@@ -44,7 +44,7 @@ summed from every peer's own share of each step), the held-out loss at 25,
 50 and 100 % of the samples for both, and samples/s. ``--also 8x256,4x1024``
 adds swarm runs of other sizes (``peers x target``) to the ``runs`` list::
 
-    python benchmarks/bench_training.py --equivalence --peers 4 --target 256 \
+    python -m benchmarks.bench_training --equivalence --peers 4 --target 256 \
         --batch 16 --steps 100 --also 8x256,4x1024
 
 ``--wan`` (root: network namespaces) trains a larger charlm on 4 peers behind
@@ -54,9 +54,9 @@ synchronous, overlapped and DiLoCo trainers and with hivemind.Optimizer
 printed reason where it cannot import hivemind, or with ``--no-hivemind``),
 and reports per
 system samples/s, communication fraction, MB sent per peer and the time to
-a fixed held-out loss, with ratios against hivemind (``_training_wan.py``)::
+a fixed held-out loss, with ratios against hivemind (``training_wan/runner.py``)::
 
-    python benchmarks/bench_training.py --wan [--steps 20] [--png wan.png] \
+    python -m benchmarks.bench_training --wan [--steps 20] [--png wan.png] \
         [--hivemind-python PATH]
 """
 
@@ -67,15 +67,10 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # the example model lives at the repository root
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks._common import DefaultsHelpFormatter, JsonChild, emit_json, format_table
-from benchmarks._training_wan import add_wan_arguments, run_wan
+from benchmarks.harness import DefaultsHelpFormatter, JsonChild, emit_json, format_table
+from benchmarks.training_wan.runner import add_wan_arguments, run_wan
 
 START_TIMEOUT = 120.0
 
@@ -349,7 +344,7 @@ class Child(JsonChild):
     """A ``--worker`` process of this script."""
 
     def __init__(self, job: dict[str, Any]) -> None:
-        super().__init__(__file__, ["--worker", json.dumps(job)], root=ROOT)
+        super().__init__("benchmarks.bench_training", ["--worker", json.dumps(job)])
 
 
 def run_swarm(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_transport.py [--megabytes 256] [--chunk-kib 1024]
+    python -m benchmarks.bench_transport [--megabytes 256] [--chunk-kib 1024]
         [--rtt-calls 10000] [--repeats 3] [--handshakes 200] [--uvloop | --no-uvloop]
         [--png PATH] [--json-only]
         [--no-webrtc] [--webrtc-seconds 4] [--webrtc-loss-seconds 20]
@@ -68,7 +68,6 @@ import asyncio
 import contextlib
 import ctypes
 import math
-import os
 import socket
 import struct
 import sys
@@ -79,6 +78,22 @@ from typing import Any, cast
 
 import torch
 
+from benchmarks import bench_webrtc
+from benchmarks.harness import (
+    DefaultsHelpFormatter,
+    ServerProcess,
+    announce_ready,
+    cpu_seconds,
+    emit_json,
+    format_table,
+    median,
+    module_argv,
+    percentile,
+    plot_bars,
+    run,
+    uvloop_available,
+    wait_for_stdin_eof,
+)
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
@@ -89,24 +104,6 @@ from p2ptrain.secure.handshake import perform_handshake
 from p2ptrain.testing.natlab.netns import lab_unavailable
 from p2ptrain.transport.tcp import tcp_connect
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor
-
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import bench_webrtc
-from benchmarks._common import (
-    DefaultsHelpFormatter,
-    ServerProcess,
-    announce_ready,
-    cpu_seconds,
-    emit_json,
-    format_table,
-    median,
-    percentile,
-    plot_bars,
-    run,
-    uvloop_available,
-    wait_for_stdin_eof,
-)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -900,7 +897,7 @@ def _serve_role(key: str, use_uvloop: bool) -> None:
 
 def _server_argv(key: str, use_uvloop: bool) -> list[str]:
     loop_flag = "--uvloop" if use_uvloop else "--no-uvloop"
-    return [sys.executable, os.path.abspath(__file__), "--role", "server", "--path", key, loop_flag]
+    return module_argv("benchmarks.bench_transport", "--role", "server", "--path", key, loop_flag)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

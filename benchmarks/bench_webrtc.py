@@ -6,7 +6,7 @@ ablation: every step between the two ends, one row each.
 
 Usage (as root: it builds a NAT lab of network namespaces)::
 
-    python benchmarks/bench_webrtc.py [--seconds 4] [--loss-seconds 20]
+    python -m benchmarks.bench_webrtc [--seconds 4] [--loss-seconds 20]
         [--paths clean,lossy] [--variants stock,tuned] [--ablation] [--repeats 3]
         [--json-only]
 
@@ -73,6 +73,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.harness import (
+    DefaultsHelpFormatter,
+    cpu_seconds,
+    emit_json,
+    format_table,
+    median,
+    run,
+)
 from p2ptrain.testing.natlab.lab import HomeConfig, LabConfig, NatLab
 from p2ptrain.testing.natlab.netns import lab_unavailable
 from p2ptrain.transport.webrtc import WebRTCTransport
@@ -81,17 +89,6 @@ from p2ptrain.transport.webrtc_connect import webrtc_connect
 from p2ptrain.transport.webrtc_sctp import SctpTuning
 from p2ptrain.transport.webrtc_signaling import StreamSignalingChannel
 from p2ptrain.wire.frames import Frame, FrameType
-
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import (
-    DefaultsHelpFormatter,
-    cpu_seconds,
-    emit_json,
-    format_table,
-    median,
-    run,
-)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -329,7 +326,8 @@ class PeerPair:
         self._procs: list[subprocess.Popen[str]] = []
         try:
             for home, side, sock in ((sender_home, "send", left), (receiver_home, "recv", right)):
-                argv = [__file__, "--role", "peer", "--side", side, "--fd", str(sock.fileno())]
+                argv = ["-m", "benchmarks.bench_webrtc", "--role", "peer", "--side", side]
+                argv += ["--fd", str(sock.fileno())]
                 # Each peer in its own session: with autogroup scheduling a
                 # session shares one CPU share among its processes, so peers
                 # (and shims) in one session would get a fraction of what two

@@ -1,16 +1,20 @@
-"""Event loops: uvloop when installed, and a loop in a background thread."""
+"""Event loops (uvloop when installed, a loop in a background thread) and the
+one owner of background tasks every component uses."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread", "has_uvloop", "loop_factory", "run"]
+__all__ = ["BackgroundTasks", "LoopThread", "has_uvloop", "loop_factory", "run"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 def has_uvloop() -> bool:
@@ -123,3 +127,113 @@ class LoopThread:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+class BackgroundTasks:
+    """The background tasks of one component (a node's accepts, a connection's handlers, ...).
+
+    Nothing is fire-and-forget: each task is tracked until it ends, its
+    failure is logged (:meth:`spawn`) or left to the callers that await it
+    (:meth:`share`), and :meth:`aclose` (or :meth:`cancel` from a callback)
+    cancels what still runs.
+
+    Args:
+        owner: A name for log messages.
+    """
+
+    __slots__ = ("_closed", "_owner", "_tasks")
+
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
+        return iter(list(self._tasks))
+
+    @property
+    def owner(self) -> str:
+        """The name in log messages."""
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called (no task may start any more)."""
+        return self._closed
+
+    def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
+        """Run ``coro`` in the background until it ends or :meth:`aclose` cancels it.
+
+        Nobody awaits the result: an exception escaping ``coro`` is logged
+        (this is the root of the task).
+
+        Raises:
+            RuntimeError: The owner is closed.
+        """
+        return self._start(coro, name, self._spawned_done)
+
+    def share(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
+        """Run ``coro`` as a task whose outcome its callers await (one dial shared by many).
+
+        Its exception is the callers' to handle; if every caller gave up, it
+        is retrieved here, so it is never reported as "never retrieved".
+
+        Raises:
+            RuntimeError: The owner is closed.
+        """
+        return self._start(coro, name, self._shared_done)
+
+    def cancel(self) -> None:
+        """Cancel every task without waiting (e.g. from a connection-lost callback).
+
+        The task calling this, if it is one of ours, is left to finish (it is
+        ending what it owns).
+        """
+        current = asyncio.current_task()
+        for task in list(self._tasks):
+            if task is not current:
+                task.cancel()
+
+    async def aclose(self) -> None:
+        """Cancel every task and wait until all have finished.
+
+        A task that closes its own owner is neither cancelled nor awaited (it
+        is the one running this).
+        """
+        self._closed = True
+        current = asyncio.current_task()
+        while tasks := [t for t in self._tasks if t is not current]:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _start(
+        self,
+        coro: Coroutine[Any, Any, T],
+        name: str,
+        done: Callable[[asyncio.Task[Any]], None],
+    ) -> asyncio.Task[T]:
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"{self._owner}: cannot start {name!r} after closing")
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(done)
+        return task
+
+    def _spawned_done(self, task: asyncio.Task[Any]) -> None:
+        """The root of a spawned task: its exception is logged (and so retrieved)."""
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.error(
+                "%s: background task %r failed", self._owner, task.get_name(), exc_info=exc
+            )
+
+    def _shared_done(self, task: asyncio.Task[Any]) -> None:
+        """A shared task's exception is its callers'; retrieved here in case none awaited."""
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()

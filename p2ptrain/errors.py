@@ -15,6 +15,7 @@ translated at the I/O edge and chained with ``raise ... from``.
     │   └── RemoteProtocolError          the other side sent something invalid
     │       ├── FrameTooLargeError       length header above the configured maximum
     │       ├── TensorFormatError        bad dtype, shape or payload size
+    │       ├── FlowControlError         more than a stream's window or a buffer allows
     │       └── IntegrityError           a sealed record failed to authenticate (tampered,
     │                                    replayed, reordered, dropped, truncated, injected)
     ├── HandshakeError                   the authenticated handshake failed
@@ -62,6 +63,7 @@ __all__ = [
     "ConnectionClosedError",
     "DHTError",
     "DeadlineExceededError",
+    "FlowControlError",
     "FrameTooLargeError",
     "HandshakeError",
     "IdentityError",
@@ -126,6 +128,10 @@ class RemoteProtocolError(ProtocolError):
 
 class FrameTooLargeError(RemoteProtocolError):
     """A frame's length header exceeds the configured maximum."""
+
+
+class FlowControlError(RemoteProtocolError):
+    """The remote sent more than a stream's window (or the connection's buffer) allows."""
 
 
 class TensorFormatError(RemoteProtocolError):

@@ -2,9 +2,11 @@
 
 * Shell commands, in ``bash``/``sh``/``console`` blocks, in unlabelled blocks
   (lines that start with one of our programs) and in inline code spans: for
-  ``p2ptrain ...``, ``python -m p2ptrain.X ...`` and ``python benchmarks/X.py
-  ...`` every subcommand and every ``--flag`` must exist in that program's
-  argparse parser (read from the program itself, not from a copy).
+  ``p2ptrain ...``, ``python -m p2ptrain.X ...``, ``python -m benchmarks.X
+  ...`` and ``python examples/X.py ...`` every subcommand and every ``--flag``
+  must exist in that program's argparse parser (read from the program itself,
+  not from a copy). Benchmarks run as modules: ``python benchmarks/X.py`` is
+  reported.
 * Python blocks: each must compile (top-level ``await`` allowed) and every
   import in it must resolve, names included. A *complete* snippet (no free
   names, no ``await``) is also run, in a child process.
@@ -37,7 +39,8 @@ _FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.S | re.M)
 _INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 _SHELL = {"bash", "sh", "shell", "console"}
 _OURS = re.compile(
-    r"^(?:\$ )?(?:p2ptrain [a-z-]|python3? (?:-m p2ptrain[\w.]*|(?:benchmarks|examples)/\S+\.py)\b)"
+    r"^(?:\$ )?(?:p2ptrain [a-z-]|python3? "
+    r"(?:-m (?:p2ptrain|benchmarks)[\w.]*|(?:benchmarks|examples)/\S+\.py)\b)"
 )
 
 
@@ -114,7 +117,8 @@ _PARSERS: dict[str, argparse.ArgumentParser | None] = {}
 
 
 def program_parser(program: str) -> argparse.ArgumentParser | None:
-    """The argparse parser of a module (``p2ptrain.app.cli``) or script (``benchmarks/x.py``).
+    """The argparse parser of a module (``p2ptrain.app.cli``, ``benchmarks.bench_x``) or
+    script (``examples/x.py``).
 
     The program runs until it parses its arguments, where it is stopped; None
     when it parses none (or the file or module does not exist).
@@ -131,6 +135,7 @@ def program_parser(program: str) -> argparse.ArgumentParser | None:
     parser = None
     try:
         sys.argv = [program]
+        sys.path.insert(0, str(ROOT))  # the benchmarks package
         with (
             contextlib.redirect_stdout(io.StringIO()),
             contextlib.redirect_stderr(io.StringIO()),
@@ -176,7 +181,9 @@ def check_argv(argv: list[str]) -> list[str]:
         program, rest = "p2ptrain.app.cli", argv[1:]
     elif len(argv) >= 3 and argv[0] in ("python", "python3") and argv[1] == "-m":
         program, rest = argv[2], argv[3:]
-        if not program.startswith("p2ptrain"):
+        if not program.startswith(("p2ptrain", "benchmarks.")):
+            return []
+        if _placeholder(program.removeprefix("benchmarks.").removeprefix("bench_")):
             return []
     elif (
         len(argv) >= 2
@@ -186,13 +193,16 @@ def check_argv(argv: list[str]) -> list[str]:
         program, rest = argv[1], argv[2:]
         if _placeholder(Path(program).stem.removeprefix("bench_")):
             return []
+        if program.startswith("benchmarks/"):
+            module = program.removesuffix(".py").replace("/", ".")
+            return [f"{program}: run benchmarks as modules: python -m {module}"]
         if not (ROOT / program).is_file():
             return [f"{program}: no such file"]
     else:
         return []
     if program == "p2ptrain.app.cli":
         program = "p2ptrain.app.cli"
-    elif importlib.util.find_spec(program) is None if not program.endswith(".py") else False:
+    elif not program.endswith(".py") and not _module_exists(program):
         return [f"python -m {program}: no such module"]
     parser = program_parser(program)
     if parser is None:
@@ -229,7 +239,7 @@ def _check_tokens(program: str, parser: argparse.ArgumentParser, rest: list[str]
             name, parser = f"{name} {token}", subcommands[token]
             if program == "p2ptrain.app.cli" and token == "bench" and tokens:
                 bench = tokens.pop(0)
-                script = f"benchmarks/bench_{bench}.py"
+                script = f"benchmarks.bench_{bench}"
                 known = (_choices_of_positionals(parser) or [[]])[0]
                 if bench not in known and not _placeholder(bench):  # type: ignore[operator]
                     problems.append(f"p2ptrain bench: no benchmark {bench!r}")
@@ -239,6 +249,17 @@ def _check_tokens(program: str, parser: argparse.ArgumentParser, rest: list[str]
                     problems += _check_tokens(f"p2ptrain bench {bench}", inner, tokens)
                 break
     return problems
+
+
+def _module_exists(module: str) -> bool:
+    saved = sys.path[:]
+    sys.path.insert(0, str(ROOT))  # the benchmarks package
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+    finally:
+        sys.path[:] = saved
 
 
 def _placeholder(token: str) -> bool:

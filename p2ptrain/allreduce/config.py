@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Final
 
 from p2ptrain.allreduce.compression import CODEC_NAMES, DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 from p2ptrain.errors import ConfigError
+from p2ptrain.validate import check_integer, check_number
 
 __all__ = ["AGGREGATION_RULES", "AllReduceConfig"]
 
@@ -50,23 +50,15 @@ class AllReduceConfig:
     def __post_init__(self) -> None:
         if self.codec not in CODEC_NAMES:
             raise ConfigError(f"codec must be one of {list(CODEC_NAMES)}, got {self.codec!r}")
-        _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        check_integer(
+            "AllReduceConfig.block_size", self.block_size, at_least=1, at_most=MAX_BLOCK_SIZE
+        )
         if self.aggregation not in AGGREGATION_RULES:
             raise ConfigError(
                 f"aggregation must be one of {list(AGGREGATION_RULES)}, got {self.aggregation!r}"
             )
-        _check_int("trim", self.trim, 0, 1 << 16)
-        _check_int("clip_iterations", self.clip_iterations, 1, 1000)
-        radius = self.clip_radius
-        if radius is not None and (
-            isinstance(radius, bool)
-            or not isinstance(radius, int | float)
-            or not math.isfinite(radius)
-            or radius <= 0
-        ):
-            raise ConfigError(f"clip_radius must be None or positive and finite, got {radius!r}")
-
-
-def _check_int(name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+        check_integer("AllReduceConfig.trim", self.trim, at_least=0, at_most=1 << 16)
+        check_integer(
+            "AllReduceConfig.clip_iterations", self.clip_iterations, at_least=1, at_most=1000
+        )
+        check_number("AllReduceConfig.clip_radius", self.clip_radius, allow_none=True)

@@ -709,16 +709,16 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    root = Path(__file__).resolve().parents[2] / "benchmarks"  # beside the package
-    script = root / f"bench_{args.name}.py"
+    root = Path(__file__).resolve().parents[2]  # the checkout holding the package
+    script = root / "benchmarks" / f"bench_{args.name}.py"
     if not script.is_file():
         raise ConfigError(
             f"benchmark {args.name!r} not found at {script} (benchmarks need a source checkout)"
         )
     sys.argv = [str(script), *args.args]
-    sys.path[:0] = [str(root), str(root.parent)]  # its siblings (_common) and the repo
+    sys.path.insert(0, str(root))  # the benchmarks package
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        runpy.run_module(f"benchmarks.bench_{args.name}", run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0

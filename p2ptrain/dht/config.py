@@ -9,10 +9,10 @@ are bytes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from p2ptrain.errors import ConfigError
+from p2ptrain.validate import check_integer, check_number
 
 __all__ = ["DHTConfig"]
 
@@ -119,24 +119,16 @@ class DHTConfig:
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS_MIN_ONE:
-            _check_int(name, getattr(self, name), minimum=1)
+            check_integer(f"DHTConfig.{name}", getattr(self, name), at_least=1)
         for name in _POSITIVE_DURATIONS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"DHTConfig.{name} must be a number, got {value!r}")
-            if not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"DHTConfig.{name} must be finite and > 0, got {value!r}")
-        if self.replicas is not None:
-            _check_int("replicas", self.replicas, minimum=1)
-            if self.replicas > self.k:
-                raise ConfigError(
-                    f"DHTConfig.replicas ({self.replicas}) cannot exceed k ({self.k}):"
-                    " a lookup only returns k nodes"
-                )
-        if self.max_contacts_per_reply is not None:
-            _check_int("max_contacts_per_reply", self.max_contacts_per_reply, minimum=1)
-        if self.max_per_subnet is not None:
-            _check_int("max_per_subnet", self.max_per_subnet, minimum=1)
+            check_number(f"DHTConfig.{name}", getattr(self, name))
+        for name in ("replicas", "max_contacts_per_reply", "max_per_subnet"):
+            check_integer(f"DHTConfig.{name}", getattr(self, name), at_least=1, allow_none=True)
+        if self.replicas is not None and self.replicas > self.k:
+            raise ConfigError(
+                f"DHTConfig.replicas ({self.replicas}) cannot exceed k ({self.k}):"
+                " a lookup only returns k nodes"
+            )
         if not isinstance(self.relaxed_split, bool):
             raise ConfigError(f"DHTConfig.relaxed_split must be a bool, got {self.relaxed_split!r}")
 
@@ -149,10 +141,3 @@ class DHTConfig:
     def effective_max_contacts_per_reply(self) -> int:
         """The cap on contacts taken from one reply (``max_contacts_per_reply``, or *k*)."""
         return self.k if self.max_contacts_per_reply is None else self.max_contacts_per_reply
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"DHTConfig.{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"DHTConfig.{name} must be >= {minimum}, got {value}")

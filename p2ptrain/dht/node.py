@@ -63,6 +63,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
+from p2ptrain.aio import BackgroundTasks
 from p2ptrain.dht.config import DHTConfig
 from p2ptrain.dht.lookup import IterativeLookup, LookupMode, LookupResult
 from p2ptrain.dht.node_config import DHTNodeConfig
@@ -89,7 +90,6 @@ from p2ptrain.dht.records import (
 from p2ptrain.dht.routing import AddStatus, Contact, NodeID, RoutingTable
 from p2ptrain.dht.stats import RPCStats
 from p2ptrain.dht.storage import RecordStore, agreed_value
-from p2ptrain.dht.tasks import BackgroundTasks
 from p2ptrain.errors import (
     ConfigError,
     DeadlineExceededError,

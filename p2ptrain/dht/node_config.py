@@ -10,12 +10,12 @@ run. The CLI maps its flags onto these two dataclasses.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from p2ptrain.dht.config import DHTConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.node.address import PeerAddress
+from p2ptrain.validate import check_integer, check_number
 
 __all__ = ["DHTNodeConfig"]
 
@@ -105,17 +105,8 @@ class DHTNodeConfig:
             "maintenance_interval",
             "lookup_query_timeout",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"DHTNodeConfig.{name} must be a number, got {value!r}")
-            if not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"DHTNodeConfig.{name} must be finite and > 0, got {value!r}")
-        if (
-            isinstance(self.hedge_delay, bool)
-            or not isinstance(self.hedge_delay, int | float)
-            or not 0 <= self.hedge_delay < math.inf
-        ):
-            raise ConfigError(f"DHTNodeConfig.hedge_delay must be >= 0, got {self.hedge_delay!r}")
+            check_number(f"DHTNodeConfig.{name}", getattr(self, name))
+        check_number("DHTNodeConfig.hedge_delay", self.hedge_delay, at_least=0)
         if self.ping_timeout >= self.dht.ping_timeout:
             raise ConfigError(
                 f"DHTNodeConfig.ping_timeout ({self.ping_timeout}) must be below"
@@ -127,8 +118,6 @@ class DHTNodeConfig:
             "republish_parallelism",
             "get_quorum",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"DHTNodeConfig.{name} must be an int >= 1, got {value!r}")
+            check_integer(f"DHTNodeConfig.{name}", getattr(self, name), at_least=1)
         if self.max_reply_bytes < self.dht.max_value_bytes:
             raise ConfigError("DHTNodeConfig.max_reply_bytes must hold at least one value")

@@ -15,7 +15,7 @@ from p2ptrain.errors import ConfigError
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import reuse_port_available
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
-from p2ptrain.validate import check_number
+from p2ptrain.validate import check_integer, check_number
 
 __all__ = ["ATTEMPTS", "NATConfig", "RelayLimits", "ice_server_from_url"]
 
@@ -26,8 +26,7 @@ ATTEMPTS = ("tcp-direct", "tcp-reverse", "tcp-holepunch", "webrtc", "relay")
 
 
 def _check_count(owner: str, name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{owner}.{name} must be an int in [{low}, {high}], got {value!r}")
+    check_integer(f"{owner}.{name}", value, at_least=low, at_most=high)
 
 
 @dataclass(frozen=True)

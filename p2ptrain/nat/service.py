@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
+from p2ptrain.aio import BackgroundTasks
 from p2ptrain.dht.api import DHT
 from p2ptrain.errors import (
     ConnectError,
@@ -139,8 +140,8 @@ class NATService:
         self._arrivals: dict[PeerID, asyncio.Future[None]] = {}
         self._changed = asyncio.Event()
         self._publish_failed = False
-        self._task: asyncio.Task[None] | None = None
-        self._watchers: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks(f"nat {node.peer_id.short}")
+        """The maintenance loop, the registrations' watchers and the traversals."""
         self.stats = TraversalStats()
         """Counters of this peer's traversals (for metrics)."""
         self.refused = 0
@@ -172,20 +173,14 @@ class NATService:
         except BaseException:
             await self.aclose()
             raise
-        self._task = asyncio.get_running_loop().create_task(
-            routing_off(self._maintain()), name="nat-service"
-        )
+        self._tasks.spawn(routing_off(self._maintain()), name="nat-service")
 
     async def aclose(self) -> None:
         """Stop serving and unregister (the node stays open, dialing plain TCP again)."""
         if self.node.router is self.router:
             self.node.set_router(None)
-        tasks = [
-            t for t in (self._task, *self._watchers, *self._traversals.values()) if t is not None
-        ]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.aclose()
+        self._tasks = BackgroundTasks(self._tasks.owner)  # the service may start again
         handlers = self.node.handlers
         for method in (ACCEPT, REVERSED):
             handlers.remove(method)
@@ -228,7 +223,7 @@ class NATService:
         """
         task = self._traversals.get(peer)
         if task is None:
-            task = asyncio.get_running_loop().create_task(
+            task = self._tasks.share(
                 routing_off(
                     traverse(
                         self.node, peer, dht=self.dht, config=config or self.config, local=self
@@ -460,11 +455,7 @@ class NATService:
                 logger.info("cannot register at %s: %s", address, exc or "timed out")
                 continue
             self._registrations[peer] = registration
-            watcher = asyncio.get_running_loop().create_task(
-                self._watch(registration), name=f"nat-registration:{peer.short}"
-            )
-            self._watchers.add(watcher)
-            watcher.add_done_callback(self._watchers.discard)
+            self._tasks.spawn(self._watch(registration), name=f"nat-registration:{peer.short}")
             logger.info(
                 "%s registered at %s, seen at %s",
                 self.node.peer_id.short,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from p2ptrain.errors import ConfigError
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.secure.handshake import AdmissionPolicy
+from p2ptrain.validate import check_integer, check_number
 
 __all__ = ["NodeConfig", "reuse_port_available"]
 
@@ -65,23 +66,13 @@ class NodeConfig:
     memory_release_interval: float = 10.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port {self.port} is out of range")
+        check_integer("NodeConfig.port", self.port, at_least=0, at_most=65535)
         if not self.swarm or len(self.swarm.encode("utf-8")) > 256:
             raise ConfigError("swarm must be a name of 1 to 256 bytes (UTF-8)")
-        if not self.dial_timeout > 0:
-            raise ConfigError("dial_timeout must be positive")
+        check_number("NodeConfig.dial_timeout", self.dial_timeout)
         if self.reuse_port and not reuse_port_available():
             raise ConfigError("reuse_port needs SO_REUSEPORT, which this platform lacks")
-        if isinstance(self.max_connections, bool) or not (
-            isinstance(self.max_connections, int) and self.max_connections >= 1
-        ):
-            raise ConfigError(f"max_connections must be an int >= 1, got {self.max_connections!r}")
-        if not self.min_idle_s >= 0:
-            raise ConfigError("min_idle_s must be >= 0")
-        for name in ("max_inbound", "max_inbound_per_source"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        if not self.memory_release_interval >= 0:
-            raise ConfigError("memory_release_interval must be >= 0")
+        for name in ("max_connections", "max_inbound", "max_inbound_per_source"):
+            check_integer(f"NodeConfig.{name}", getattr(self, name), at_least=1)
+        for name in ("min_idle_s", "memory_release_interval"):
+            check_number(f"NodeConfig.{name}", getattr(self, name), at_least=0)

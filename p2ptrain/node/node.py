@@ -21,7 +21,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from p2ptrain.errors import HandshakeError, RemoteProtocolError, TransportError
+from p2ptrain.aio import BackgroundTasks
+from p2ptrain.errors import ConnectError, HandshakeError, RemoteProtocolError, TransportError
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.limits import InboundLimiter, RateLimitedLog
@@ -66,7 +67,8 @@ class Node:
         self._by_peer: dict[PeerID, Connection] = {}
         self._all: set[Connection] = set()
         self._dials: dict[str, asyncio.Task[Connection]] = {}
-        self._accepts: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks(f"node {self.identity.peer_id.short}")
+        """Dials, accepts, idle closes and the memory release loop."""
         self._closing = False
         self._router: Router | None = None
         self._closed_traffic: dict[str, tuple[int, int]] = {}
@@ -81,7 +83,6 @@ class Node:
         self.stream_budget = ByteBudget(limits.max_node_streams)
         """Streams peers hold open over every connection (``max_node_streams``)."""
         self._log = RateLimitedLog(logger)
-        self._memory_task: asyncio.Task[None] | None = None
 
     @property
     def peer_id(self) -> PeerID:
@@ -133,9 +134,7 @@ class Node:
         )
         logger.info("node %s listening on %s", self.peer_id.short, self.address.endpoint)
         if self.config.memory_release_interval > 0:
-            self._memory_task = asyncio.get_running_loop().create_task(
-                self._release_memory_loop(), name="node-memory"
-            )
+            self._tasks.spawn(self._release_memory_loop(), name="node-memory")
         if self.config.insecure_plaintext:
             logger.warning(
                 "insecure plaintext: frames after the handshake are neither encrypted nor"
@@ -204,12 +203,13 @@ class Node:
         key = prefix + (str(address.peer_id) if address.peer_id is not None else address.endpoint)
         task = self._dials.get(key)
         if task is None:
-            task = asyncio.get_running_loop().create_task(dial(), name=f"dial:{key}")
+            if self._closing:
+                raise ConnectError(f"node {self.peer_id.short} is closed")
+            # Shared: every waiter may be cancelled, and a failed dial is then
+            # not reported as "exception never retrieved".
+            task = self._tasks.share(dial(), name=f"dial:{key}")
             self._dials[key] = task
             task.add_done_callback(lambda _t: self._dials.pop(key, None))
-            # Every waiter may have been cancelled: retrieve the outcome so a
-            # failed dial is not reported as "exception never retrieved".
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
 
     async def call(
@@ -264,12 +264,7 @@ class Node:
         self._closing = True
         if self._listener is not None:
             await self._listener.aclose()
-        background = [*self._dials.values(), *self._accepts]
-        if self._memory_task is not None:
-            background.append(self._memory_task)
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
+        await self._tasks.aclose()
         await asyncio.gather(*(conn.aclose() for conn in list(self._all)), return_exceptions=True)
         self._by_peer.clear()
         self._all.clear()
@@ -299,9 +294,7 @@ class Node:
         if self._closing:
             transport.close()
             return
-        task = asyncio.get_running_loop().create_task(self._accept(transport), name="accept")
-        self._accepts.add(task)
-        task.add_done_callback(self._accepts.discard)
+        self._tasks.spawn(self._accept(transport), name="accept")
 
     async def _accept(self, transport: FrameTransport) -> None:
         if isinstance(transport, TCPTransport):
@@ -415,9 +408,8 @@ class Node:
             logger.debug("closing idle connection to %s (pool full)", conn.remote_peer.short)
             if self._by_peer.get(conn.remote_peer) is conn:
                 del self._by_peer[conn.remote_peer]
-            task = asyncio.get_running_loop().create_task(conn.aclose(), name="close-idle")
-            self._accepts.add(task)
-            task.add_done_callback(self._accepts.discard)
+            if not self._tasks.closed:  # else aclose() closes it
+                self._tasks.spawn(conn.aclose(), name="close-idle")
 
     def _forget(self, conn: Connection) -> None:
         if conn in self._all:

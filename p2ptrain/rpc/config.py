@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from p2ptrain.errors import ConfigError
+from p2ptrain.validate import check_integer, check_number
 
 __all__ = ["ConnectionConfig"]
 
@@ -84,25 +84,34 @@ class ConnectionConfig:
     handler_timeout: float = 600.0
 
     def __post_init__(self) -> None:
-        if not 4096 <= self.max_frame_bytes <= 2**32:
-            raise ConfigError("max_frame_bytes must be in [4096, 2**32]")
-        if not 256 <= self.max_header_bytes <= self.max_frame_bytes:
-            raise ConfigError("max_header_bytes must be in [256, max_frame_bytes]")
-        if not 1024 <= self.stream_window <= 2**62:
-            raise ConfigError("stream_window must be in [1024, 2**62]")
-        if self.max_streams < 1:
-            raise ConfigError("max_streams must be positive")
-        if self.write_high_water < 1024:
-            raise ConfigError("write_high_water must be at least 1024")
-        if not 4096 <= self.max_handshake_frame_bytes <= 2**32:
-            raise ConfigError("max_handshake_frame_bytes must be in [4096, 2**32]")
-        if self.max_node_streams < 1:
-            raise ConfigError("max_node_streams must be positive")
-        if self.connection_reserve_bytes < 0 or self.connection_reserve_streams < 0:
-            raise ConfigError("the connection reserves must be >= 0")
-        for name in ("max_buffered_bytes", "max_reply_bytes_in_flight", "max_node_buffered_bytes"):
-            if not getattr(self, name) >= 1024:
-                raise ConfigError(f"{name} must be at least 1024")
+        owner = "ConnectionConfig"
+        check_integer(
+            f"{owner}.max_frame_bytes", self.max_frame_bytes, at_least=4096, at_most=2**32
+        )
+        check_integer(
+            f"{owner}.max_header_bytes",
+            self.max_header_bytes,
+            at_least=256,
+            at_most=self.max_frame_bytes,
+        )
+        check_integer(f"{owner}.stream_window", self.stream_window, at_least=1024, at_most=2**62)
+        check_integer(
+            f"{owner}.max_handshake_frame_bytes",
+            self.max_handshake_frame_bytes,
+            at_least=4096,
+            at_most=2**32,
+        )
+        for name in ("max_streams", "max_node_streams", "keepalive_misses"):
+            check_integer(f"{owner}.{name}", getattr(self, name), at_least=1)
+        for name in (
+            "write_high_water",
+            "max_buffered_bytes",
+            "max_reply_bytes_in_flight",
+            "max_node_buffered_bytes",
+        ):
+            check_integer(f"{owner}.{name}", getattr(self, name), at_least=1024)
+        for name in ("connection_reserve_bytes", "connection_reserve_streams"):
+            check_integer(f"{owner}.{name}", getattr(self, name), at_least=0)
         for name in (
             "handshake_timeout",
             "idle_timeout",
@@ -110,7 +119,4 @@ class ConnectionConfig:
             "reply_send_timeout",
             "handler_timeout",
         ):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive")
-        if self.keepalive_misses < 1:
-            raise ConfigError("keepalive_misses must be at least 1")
+            check_number(f"{owner}.{name}", getattr(self, name))

@@ -32,11 +32,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from p2ptrain.aio import BackgroundTasks
 from p2ptrain.errors import (
     ConfigError,
     ConnectionClosedError,
     DeadlineExceededError,
     DHTError,
+    FlowControlError,
     LocalProtocolError,
     MethodNotFoundError,
     P2PTrainError,
@@ -50,8 +52,9 @@ from p2ptrain.errors import (
 )
 from p2ptrain.rpc.budget import ByteBudget
 from p2ptrain.rpc.config import ConnectionConfig
+from p2ptrain.rpc.flow import StreamFlow, UnreadBytes
 from p2ptrain.rpc.handlers import CallContext, HandlerTable, Message, _Entry
-from p2ptrain.rpc.stream import FlowControlError, RPCStream
+from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.handshake import HandshakeResult
 from p2ptrain.secure.identity import PeerID
 from p2ptrain.transport.base import FrameTransport
@@ -63,6 +66,7 @@ from p2ptrain.wire.frames import (
     FrameType,
     buffer_nbytes,
 )
+from p2ptrain.wire.records import RECORD_OVERHEAD
 
 __all__ = ["Connection"]
 
@@ -100,18 +104,24 @@ class Connection:
         self._config = config
         self._reply_budget = reply_budget or ByteBudget(config.max_reply_bytes_in_flight)
         # Shared by the node's connections (a connection made alone gets its own).
-        self._unread_budget = unread_budget or ByteBudget(config.max_node_buffered_bytes)
+        self._unread = UnreadBytes(
+            limit=config.max_buffered_bytes,
+            reserve=config.connection_reserve_bytes,
+            pool=unread_budget or ByteBudget(config.max_node_buffered_bytes),
+        )
         self._stream_budget = stream_budget or ByteBudget(config.max_node_streams)
-        self.buffered_bytes = 0
-        """Bytes of received messages not yet read, over every stream."""
         self._remote_streams = 0  # open streams the remote opened
         self._send_window = remote.stream_window
+        # One frame may overdraw a window: at most a whole frame, sealed (its tags).
+        self._send_frame_bytes = remote.max_frame_bytes + RECORD_OVERHEAD
+        self._recv_frame_bytes = config.max_frame_bytes + RECORD_OVERHEAD
         transport.max_send_frame = remote.max_frame_bytes
         self._streams: dict[int, RPCStream] = {}
         self._next_id = 1 if initiator else 2
         self._highest_remote_id = 0
         self._remote_parity = 0 if initiator else 1
-        self._handler_tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks(f"connection to {self.remote_peer.short}")
+        """The handlers serving the remote's streams, and the maintenance task."""
         self._pings: dict[int, asyncio.Future[None]] = {}
         self._ping_ids = itertools.count(1)
         self._loop = asyncio.get_running_loop()
@@ -123,7 +133,7 @@ class Connection:
         self._close_callbacks: list[Callable[[Connection], None]] = []
         # Before the receiver: a transport that closed meanwhile reports it
         # at once, and that cancels the maintenance task.
-        self._maintenance = self._loop.create_task(self._maintain(), name="conn-maintenance")
+        self._tasks.spawn(self._maintain(), name="conn-maintenance")
         transport.set_receiver(self)
         transport.set_payload_allocator(self._payload_buffer)
 
@@ -141,6 +151,11 @@ class Connection:
     def closed(self) -> bool:
         """Whether the connection is closed."""
         return self.transport.closed
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of received messages not yet read, over every stream."""
+        return self._unread.used
 
     @property
     def open_streams(self) -> int:
@@ -215,7 +230,7 @@ class Connection:
             with contextlib.suppress(ConnectionClosedError):
                 self._send_control(Frame(FrameType.GOAWAY, fields={"m": "closing"}))
         await self.transport.aclose()
-        await self._await_tasks()
+        await self._tasks.aclose()
 
     # -- FrameReceiver -----------------------------------------------------------------
 
@@ -235,10 +250,7 @@ class Connection:
         for waiter in self._pings.values():
             if not waiter.done():
                 waiter.set_exception(ConnectionClosedError("connection closed"))
-        for task in self._handler_tasks:
-            task.cancel()
-        if self._maintenance is not asyncio.current_task():
-            self._maintenance.cancel()
+        self._tasks.cancel()
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback(self)
@@ -296,10 +308,9 @@ class Connection:
         if entry is None:
             self._send_reset(sid, MethodNotFoundError.code, f"no method {method!r}")
             return
-        if frame.flags & FLAG_MESSAGE and not self.can_buffer(frame.wire_size):
-            self._send_reset(
-                sid, ResourceExhaustedError.code, self._buffer_full_reason(frame.wire_size)
-            )
+        size = frame.wire_size
+        if frame.flags & FLAG_MESSAGE and not self._unread.fits(size):
+            self._send_reset(sid, ResourceExhaustedError.code, self._unread.refusal(size))
             return
         streams = self._stream_budget
         pooled = self._remote_streams >= self._config.connection_reserve_streams
@@ -324,10 +335,9 @@ class Connection:
         context = CallContext(
             self.remote_peer, method, deadline, self.path, self.transport.remote_address
         )
-        task = self._loop.create_task(self._serve(stream, entry, context), name=f"rpc:{method}")
-        stream.handler_task = task
-        self._handler_tasks.add(task)
-        task.add_done_callback(self._handler_tasks.discard)
+        stream.handler_task = self._tasks.spawn(
+            self._serve(stream, entry, context), name=f"rpc:{method}"
+        )
 
     def _on_stream_frame(self, frame: Frame) -> None:
         sid = frame.stream_id
@@ -351,10 +361,7 @@ class Connection:
                     message if isinstance(message, str) else "",
                 )
             else:
-                amount = frame.field("n")
-                if not isinstance(amount, int) or isinstance(amount, bool) or amount <= 0:
-                    raise RemoteProtocolError("WINDOW needs a positive integer")
-                stream._on_credit(amount)
+                stream._on_credit(frame.field("n"))
         except RemoteProtocolError as exc:
             logger.warning(
                 "resetting stream %s (%s) from %s: %s",
@@ -381,38 +388,7 @@ class Connection:
         """Whether ``nbytes`` more unread bytes fit under ``max_buffered_bytes``
         (this connection) and ``max_node_buffered_bytes`` (all of the node's;
         ``connection_reserve_bytes`` of each connection are outside it)."""
-        after = self.buffered_bytes + nbytes
-        return after <= self._config.max_buffered_bytes and self._unread_budget.fits(
-            self._pooled(after) - self._pooled(self.buffered_bytes)
-        )
-
-    def _pooled(self, buffered: int) -> int:
-        """Of ``buffered`` unread bytes, those charged to the node-wide pool."""
-        return max(0, buffered - self._config.connection_reserve_bytes)
-
-    def _buffer_full_reason(self, nbytes: int) -> str:
-        """Why :meth:`can_buffer` refused ``nbytes``."""
-        if self.buffered_bytes + nbytes > self._config.max_buffered_bytes:
-            return (
-                f"{self.buffered_bytes} bytes of this connection are unread"
-                f" (limit {self._config.max_buffered_bytes})"
-            )
-        return (
-            f"{self._unread_budget.used} bytes of the node's connections are unread"
-            f" (node limit {self._unread_budget.limit}); retry later"
-        )
-
-    def _charge_unread(self, nbytes: int) -> None:
-        """Count ``nbytes`` received and not read yet (checked with :meth:`can_buffer`)."""
-        before = self._pooled(self.buffered_bytes)
-        self.buffered_bytes += nbytes
-        self._unread_budget.used += self._pooled(self.buffered_bytes) - before
-
-    def _release_unread(self, nbytes: int) -> None:
-        """``nbytes`` counted by :meth:`_charge_unread` were read or dropped."""
-        before = self._pooled(self.buffered_bytes)
-        self.buffered_bytes -= nbytes
-        self._unread_budget.give_back(before - self._pooled(self.buffered_bytes))
+        return self._unread.fits(nbytes)
 
     def _forget_stream(self, stream: RPCStream) -> None:
         """Drop a finished stream; a remote-opened one frees its place in the caps."""
@@ -507,13 +483,6 @@ class Connection:
         finally:
             budget.give_back(size)
 
-    async def _await_tasks(self) -> None:
-        current = asyncio.current_task()
-        tasks = [t for t in (*self._handler_tasks, self._maintenance) if t is not current]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
     async def _maintain(self) -> None:
         """Keepalive PINGs while the remote is silent; close when idle too long."""
         interval = self._config.keepalive_interval
@@ -582,9 +551,13 @@ class Connection:
             self,
             sid,
             method,
-            send_window=self._send_window,
-            recv_window=self._config.stream_window,
-            max_frame_bytes=self._config.max_frame_bytes,
+            flow=StreamFlow(
+                send_window=self._send_window,
+                send_frame_bytes=self._send_frame_bytes,
+                recv_window=self._config.stream_window,
+                recv_frame_bytes=self._recv_frame_bytes,
+            ),
+            unread=self._unread,
             deadline=deadline,
         )
         self._streams[sid] = stream
@@ -612,7 +585,7 @@ class Connection:
         size = await self._send_stream_frame(stream, frame)
         stream.opened = True
         if flags & FLAG_MESSAGE:  # only a message counts against the stream window
-            stream._credit -= size
+            stream.flow.sent(size)
         if flags & FLAG_END:
             stream._set_local_ended()
 

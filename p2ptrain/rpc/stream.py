@@ -1,11 +1,11 @@
 """One logical stream of an RPC connection, with credit-based flow control.
 
-Flow control: the receiver grants each stream a window of bytes (advertised in
-the handshake). The sender may send while its credit is positive (so one frame
-may overdraw it) and waits otherwise; the receiver gives credit back with
-WINDOW frames as the application consumes messages. A stream that nobody reads
-therefore holds at most ``window + max_frame`` bytes and never stalls the other
-streams of the connection.
+The stream is the asyncio shell around its :class:`~p2ptrain.rpc.flow.StreamFlow`
+(the pure window accounting, see :mod:`.flow`): a sender waits while the state
+says it may not send, the reader's consumption turns into WINDOW frames. A
+stream that nobody reads holds at most ``window + max_frame`` bytes and never
+stalls the other streams of the connection; its unread messages count against
+the connection's :class:`~p2ptrain.rpc.flow.UnreadBytes`.
 """
 
 from __future__ import annotations
@@ -26,22 +26,18 @@ from p2ptrain.errors import (
     UnavailableError,
     rpc_error_from_code,
 )
+from p2ptrain.rpc.flow import StreamFlow, UnreadBytes
 from p2ptrain.rpc.handlers import Message
 from p2ptrain.wire.frames import FLAG_END, Buffer, Frame, FrameType
-from p2ptrain.wire.records import RECORD_OVERHEAD
 
 if TYPE_CHECKING:
     from p2ptrain.rpc.connection import Connection
 
-__all__ = ["FlowControlError", "PayloadTarget", "RPCStream"]
+__all__ = ["PayloadTarget", "RPCStream"]
 
 PayloadTarget = Callable[[Any, int], memoryview | None]
 """``(body, nbytes)`` → the buffer a message's payload goes to, or None (see
 :meth:`RPCStream.receive_payloads_into`)."""
-
-
-class FlowControlError(RemoteProtocolError):
-    """The remote sent more than the stream's window (or the connection's buffer) allows."""
 
 
 class RPCStream:
@@ -58,25 +54,20 @@ class RPCStream:
         stream_id: int,
         method: str,
         *,
-        send_window: int,
-        recv_window: int,
-        max_frame_bytes: int,
+        flow: StreamFlow,
+        unread: UnreadBytes,
         deadline: float | None,
     ) -> None:
         self._conn = connection
         self.stream_id = stream_id
         self.method = method
         self.deadline = deadline
-        self._recv_window = recv_window
-        self._credit_batch = max(1, recv_window // 4)
-        # One frame may overdraw the window: at most a whole frame, sealed (its tags).
-        self._recv_limit = recv_window + max_frame_bytes + RECORD_OVERHEAD
+        self.flow = flow
+        """The stream's window accounting (the connection charges the OPEN's message to it)."""
+        self._unread = unread
         self._queue: deque[tuple[Message, int]] = deque()
         self._queued_bytes = 0  # charged to the connection's buffered_bytes
         self._recv_waiter: asyncio.Future[None] | None = None
-        self._outstanding = 0  # bytes received and not yet credited back
-        self._uncredited = 0  # consumed bytes waiting to be credited back
-        self._credit = send_window
         self._credit_waiter: asyncio.Future[None] | None = None
         self._send_lock: asyncio.Lock | None = None  # created on first send
         self._remote_ended = False
@@ -111,13 +102,12 @@ class RPCStream:
         """Send one message; with ``end=True`` also half-close our side."""
         async with self._lock():
             self._check_can_send()
-            while self._credit <= 0:
+            while not self.flow.can_send:
                 await self._wait("_credit_waiter")
                 self._check_can_send()
             fields = {"b": body} if body is not None else None
             frame = Frame(FrameType.DATA, self.stream_id, FLAG_END if end else 0, fields, payload)
-            size = await self._conn._send_stream_frame(self, frame)
-            self._credit -= size  # after the await: credit may have arrived meanwhile
+            self.flow.sent(await self._conn._send_stream_frame(self, frame))
             if end:
                 self._set_local_ended()
 
@@ -145,12 +135,10 @@ class RPCStream:
             await self._wait("_recv_waiter")
         message, size = self._queue.popleft()
         self._release_queued(size)
-        self._uncredited += size
-        # Credit goes back in batches of a quarter window. This cannot stall: a
-        # blocked sender has >= window outstanding, so once we consume it all,
-        # the batch threshold has been passed.
-        if not self._remote_ended and self._uncredited >= self._credit_batch:
-            self._give_credit()
+        amount = self.flow.consumed(size, more_expected=not self._remote_ended)
+        if amount:
+            with contextlib.suppress(ConnectionClosedError):  # then transport_lost fails us
+                self._conn._send_window_update(self.stream_id, amount)
         return message
 
     def receive_payloads_into(self, target: PayloadTarget | None) -> None:
@@ -208,15 +196,8 @@ class RPCStream:
     def _on_message(self, message: Message, size: int) -> None:
         if self._remote_ended:
             raise RemoteProtocolError("DATA after the remote ended the stream")
-        self._outstanding += size
-        if self._outstanding > self._recv_limit:
-            raise FlowControlError(
-                f"remote overran the stream window ({self._outstanding} > {self._recv_limit})"
-            )
-        conn = self._conn
-        if not conn.can_buffer(size):
-            raise FlowControlError(conn._buffer_full_reason(size))
-        conn._charge_unread(size)
+        self.flow.received(size)  # FlowControlError: the remote overran the window
+        self._unread.charge(size)  # FlowControlError: the connection's buffer is full
         self._queued_bytes += size
         self._queue.append((message, size))
         _wake(self._recv_waiter)
@@ -230,8 +211,8 @@ class RPCStream:
         if self._error is None:
             self._fail(rpc_error_from_code(code, message))
 
-    def _on_credit(self, amount: int) -> None:
-        self._credit += amount
+    def _on_credit(self, amount: object) -> None:
+        self.flow.window_received(amount)
         _wake(self._credit_waiter)
 
     def _on_connection_lost(self, exc: P2PTrainError | None) -> None:
@@ -250,7 +231,7 @@ class RPCStream:
     def _release_queued(self, size: int) -> None:
         size = min(size, self._queued_bytes)  # 0 once _fail released them all
         self._queued_bytes -= size
-        self._conn._release_unread(size)
+        self._unread.release(size)
 
     def _fail(self, error: P2PTrainError) -> None:
         self._error = error
@@ -276,14 +257,6 @@ class RPCStream:
     def _set_local_ended(self) -> None:
         self._local_ended = True
         self._conn._maybe_forget(self)
-
-    def _give_credit(self) -> None:
-        amount, self._uncredited = self._uncredited, 0
-        if amount <= 0:
-            return
-        self._outstanding -= amount
-        with contextlib.suppress(ConnectionClosedError):  # then transport_lost fails us
-            self._conn._send_window_update(self.stream_id, amount)
 
     async def _wait(self, slot: str) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()

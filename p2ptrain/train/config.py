@@ -7,7 +7,6 @@ and matchmaking settings belong to the :class:`~p2ptrain.peer.PeerConfig`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from p2ptrain.allreduce.config import AllReduceConfig
@@ -16,6 +15,7 @@ from p2ptrain.errors import ConfigError
 from p2ptrain.train.cut import STEP_POLICIES
 from p2ptrain.train.progress import ProgressConfig
 from p2ptrain.train.state_sync import StateSyncConfig
+from p2ptrain.validate import check_integer, check_number
 
 __all__ = ["DiLoCoConfig", "TrainerConfig"]
 
@@ -30,17 +30,11 @@ def _check_run_id(owner: str, run_id: object) -> None:
 
 
 def _check_int(owner: str, name: str, value: object, *, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_SAMPLES:
-        raise ConfigError(f"{owner}.{name} must be an int >= {low}, got {value!r}")
+    check_integer(f"{owner}.{name}", value, at_least=low, at_most=_MAX_SAMPLES)
 
 
 def _check_lead(owner: str, value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{owner}.matchmaking_lead must be a number or None")
-    if not (math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{owner}.matchmaking_lead must be finite and >= 0")
+    check_number(f"{owner}.matchmaking_lead", value, at_least=0, allow_none=True)
 
 
 def _check_parts(owner: str, allreduce: object, progress: object, state: object) -> None:
@@ -185,14 +179,8 @@ class DiLoCoConfig:
     def __post_init__(self) -> None:
         _check_run_id("DiLoCoConfig", self.run_id)
         _check_int("DiLoCoConfig", "inner_steps", self.inner_steps)
-        for name in ("outer_lr", "outer_momentum"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"DiLoCoConfig.{name} must be a number")
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"DiLoCoConfig.{name} must be finite and >= 0")
-        if not self.outer_lr > 0:
-            raise ConfigError("DiLoCoConfig.outer_lr must be positive")
+        check_number("DiLoCoConfig.outer_lr", self.outer_lr)
+        check_number("DiLoCoConfig.outer_momentum", self.outer_momentum, at_least=0)
         if not isinstance(self.nesterov, bool):
             raise ConfigError("DiLoCoConfig.nesterov must be a bool")
         if not isinstance(self.overlap, bool):

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.transport.webrtc_sctp import SctpTuning
+from p2ptrain.validate import check_integer
 
 __all__ = ["MAX_MESSAGE_BYTES", "IcePolicy", "IceServer", "WebRTCConfig"]
 
@@ -125,13 +126,13 @@ class WebRTCConfig:
             server.url.startswith(("turn:", "turns:")) for server in self.ice_servers
         ):
             raise ConfigError("ice_policy 'relay' needs a TURN server in ice_servers")
-        if not _MIN_MESSAGE_BYTES <= self.message_bytes <= MAX_MESSAGE_BYTES:
-            raise ConfigError(
-                f"message_bytes must be in [{_MIN_MESSAGE_BYTES}, {MAX_MESSAGE_BYTES}],"
-                f" got {self.message_bytes}"
-            )
-        if not 1 <= self.channels <= _MAX_CHANNELS:
-            raise ConfigError(f"channels must be in [1, {_MAX_CHANNELS}], got {self.channels}")
+        check_integer(
+            "WebRTCConfig.message_bytes",
+            self.message_bytes,
+            at_least=_MIN_MESSAGE_BYTES,
+            at_most=MAX_MESSAGE_BYTES,
+        )
+        check_integer("WebRTCConfig.channels", self.channels, at_least=1, at_most=_MAX_CHANNELS)
         if not 0 <= self.low_water < self.high_water:
             raise ConfigError("need 0 <= low_water < high_water")
         if self.high_water < self.message_bytes:

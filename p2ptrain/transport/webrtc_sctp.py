@@ -68,6 +68,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from p2ptrain.aio import BackgroundTasks
 from p2ptrain.errors import ConfigError, P2PTrainError
 
 __all__ = [
@@ -237,7 +238,7 @@ class SctpTuner:
         self._sctp = sctp
         self._chunk = chunk_bytes
         self._loop = asyncio.get_running_loop()
-        self._sack_tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks("sctp tuner")  # delayed SACKs
         self._sack_flush: asyncio.Handle | None = None
         self._unacked_packets = 0
         self._quick_packets = 0
@@ -266,8 +267,7 @@ class SctpTuner:
         if self._sack_flush is not None:
             self._sack_flush.cancel()
             self._sack_flush = None
-        for task in self._sack_tasks:
-            task.cancel()
+        self._tasks.cancel()
 
     # -- sender: SACK processing and congestion control --------------------------------
 
@@ -432,16 +432,12 @@ class SctpTuner:
         self._sack_flush = None
         if self._closed or not self._sctp._sack_needed:
             return
-        task = self._loop.create_task(self._sack_now(), name="sctp-delayed-sack")
-        self._sack_tasks.add(task)
-        task.add_done_callback(self._sack_done)
+        self._tasks.spawn(self._delayed_sack(), name="sctp-delayed-sack")
 
-    def _sack_done(self, task: asyncio.Task[None]) -> None:
-        self._sack_tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            if isinstance(exc, ConnectionError):
-                return  # the DTLS transport closed under us: nothing to acknowledge
-            logger.warning("delayed SCTP SACK failed: %r", exc)
+    async def _delayed_sack(self) -> None:
+        """A SACK sent on the next loop turn; any other failure is logged by the owner."""
+        with contextlib.suppress(ConnectionError):  # the DTLS transport closed under us
+            await self._sack_now()
 
 
 class _ReassemblyGate:

@@ -15,7 +15,7 @@ from doccheck import ROOT, program_parser
 sys.path.insert(0, str(ROOT))  # the benchmarks package lives at the repository root
 from benchmarks.bench_all import BENCHMARKS, plan
 
-SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks").glob("bench_*.py"))
+SCRIPTS = sorted(f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("bench_*.py"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -52,7 +52,16 @@ def test_without_the_lab_or_hivemind_the_plan_says_what_it_leaves_out(tmp_path: 
 def test_bench_all_writes_one_report(tmp_path: Path) -> None:
     out = tmp_path / "report"
     done = subprocess.run(
-        [sys.executable, "benchmarks/bench_all.py", "--only", "lp", "--quick", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_all",
+            "--only",
+            "lp",
+            "--quick",
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

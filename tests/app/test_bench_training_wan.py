@@ -21,7 +21,8 @@ def test_two_overlapped_peers_train_through_shaped_links() -> None:
     done = subprocess.run(
         [
             sys.executable,
-            "benchmarks/bench_training.py",
+            "-m",
+            "benchmarks.bench_training",
             "--wan",
             "--systems",
             "p2ptrain_overlap",

@@ -32,6 +32,7 @@ from p2ptrain.metrics import (
 )
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.secure.identity import Identity
+from p2ptrain.testing.echo import echo
 from p2ptrain.train.averaging import RoundOutcome, _log_round
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer
@@ -141,10 +142,6 @@ async def test_json_lines_writer(tmp_path: Path) -> None:
 
 async def test_node_collector_reports_bytes_per_path() -> None:
     from p2ptrain.node.node import Node
-    from p2ptrain.rpc.handlers import CallContext, Message
-
-    async def echo(ctx: CallContext, request: Message) -> Message:
-        return Message(None, request.payload)
 
     async with Node() as server, Node() as client:
         server.handlers.add_unary("echo", echo)

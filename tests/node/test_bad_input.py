@@ -23,15 +23,12 @@ from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.handshake import AdmissionPolicy, HandshakeParams, Initiator
 from p2ptrain.secure.identity import Identity
+from p2ptrain.testing.echo import echo
 from p2ptrain.transport.tcp import TCPTransport, tcp_connect
 from p2ptrain.wire.frames import Frame, FrameType, encode_frame, pack_body
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor
 
 OPEN = AdmissionPolicy()
-
-
-async def echo(ctx: CallContext, request: Message) -> Message:
-    return Message(request.body, request.payload)
 
 
 async def start_server(make_node: NodeFactory, **conn: float) -> Node:
@@ -51,7 +48,7 @@ async def while_serving_healthy(
         nonlocal served
         while not done.is_set() or served < 5:
             reply = await client.call(server.address, "echo", served, b"ok", timeout=5)
-            assert reply.body == served and bytes(reply.payload) == b"ok"
+            assert reply.body["body"] == served and bytes(reply.payload) == b"ok"
             served += 1
 
     task = asyncio.create_task(healthy())
@@ -280,11 +277,42 @@ async def test_window_overrun_resets_only_that_stream(
         transport.send_frame_nowait(Frame(FrameType.OPEN, 3, 0x3, {"m": "echo", "b": "still here"}))
         while (reply := await asyncio.wait_for(transport.recv_frame(), 5)).stream_id != 3:
             pass
-        assert reply.field("b") == "still here"
+        assert reply.field("b")["body"] == "still here"
         transport.close()
 
     await while_serving_healthy(server, client, attack)
     assert len(warnings_about(caplog, "overran the stream window")) == 1
+
+
+async def test_credit_never_used_resets_only_that_stream(
+    make_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A WINDOW giving back more than the server sent loses the stream, not the connection."""
+    server = await start_server(make_node)
+    stalled = asyncio.Event()
+
+    async def stall(ctx: CallContext, stream: RPCStream) -> None:
+        await stalled.wait()
+
+    server.handlers.add_stream("stall", stall)
+    client = await make_node()
+    caplog.set_level(logging.WARNING)
+
+    async def attack() -> None:
+        transport = await _authenticated_raw(server)
+        transport.send_frame_nowait(Frame(FrameType.OPEN, 1, 0, {"m": "stall"}))
+        transport.send_frame_nowait(Frame(FrameType.WINDOW, 1, fields={"n": 1 << 40}))
+        reset = await asyncio.wait_for(transport.recv_frame(), 5)
+        assert reset.type is FrameType.RESET and reset.field("c") == "invalid_argument"
+        assert "more than was sent" in reset.field("m")
+        transport.send_frame_nowait(Frame(FrameType.OPEN, 3, 0x3, {"m": "echo", "b": "still here"}))
+        while (reply := await asyncio.wait_for(transport.recv_frame(), 5)).stream_id != 3:
+            pass
+        assert reply.field("b")["body"] == "still here"
+        transport.close()
+
+    await while_serving_healthy(server, client, attack)
+    assert len(warnings_about(caplog, "gives back more than was sent")) == 1
 
 
 async def test_tensor_header_disagreeing_with_its_payload(

@@ -23,19 +23,16 @@ from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
+from p2ptrain.testing.echo import echo
 from p2ptrain.transport.tcp import TCPTransport
 from p2ptrain.wire.buffers import BufferPool
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def echo(ctx: CallContext, request: Message) -> Message:
-    return request
-
-
 async def assert_healthy(server: Node, client: Node) -> None:
     reply = await client.call(server.address, "echo", {"x": 1}, timeout=5)
-    assert reply.body == {"x": 1}
+    assert reply.body["body"] == {"x": 1}
 
 
 def warnings_about(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:

@@ -17,10 +17,7 @@ from p2ptrain.node.config import NodeConfig
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import Identity
-
-
-async def echo(ctx: CallContext, request: Message) -> Message:
-    return Message(request.body)
+from p2ptrain.testing.echo import echo
 
 
 async def test_calls_reuse_one_connection_and_both_sides_share_it(
@@ -30,11 +27,11 @@ async def test_calls_reuse_one_connection_and_both_sides_share_it(
     a.handlers.add_unary("echo", echo)
     b.handlers.add_unary("echo", echo)
     for i in range(5):
-        assert (await a.call(b.address, "echo", i)).body == i
+        assert (await a.call(b.address, "echo", i)).body["body"] == i
     # b calls back over the connection a opened (b knows a by PeerID).
     conn = b.connection_to(a.peer_id)
     assert conn is not None and not conn.initiator
-    assert (await conn.call("echo", "back")).body == "back"
+    assert (await conn.call("echo", "back")).body["body"] == "back"
     assert len(a.connections()) == 1 and len(b.connections()) == 1
 
 
@@ -65,7 +62,7 @@ async def test_idle_connections_close_themselves(make_node: NodeFactory) -> None
     await asyncio.wait_for(closed.wait(), 5)
     assert a.connection_to(b.peer_id) is None
     # The next call simply dials again.
-    assert (await a.call(b.address, "echo", 2)).body == 2
+    assert (await a.call(b.address, "echo", 2)).body["body"] == 2
 
 
 FROZEN_PEER = """

@@ -36,9 +36,15 @@ def test_the_checker_finds_subcommands_benchmarks_and_their_flags() -> None:
         "p2ptrain bench lp: no flag --resolvs"
     ]
     assert check_argv(["p2ptrain", "bench", "nope"]) == ["p2ptrain bench: no benchmark 'nope'"]
-    assert check_argv(["python", "benchmarks/bench_lp.py", "--seed", "1"]) == []
-    assert check_argv(["python", "benchmarks/bench_nope.py"]) == [
-        "benchmarks/bench_nope.py: no such file"
+    assert check_argv(["python", "-m", "benchmarks.bench_lp", "--seed", "1"]) == []
+    assert check_argv(["python", "-m", "benchmarks.bench_lp", "--sed", "1"]) == [
+        "benchmarks.bench_lp: no flag --sed"
+    ]
+    assert check_argv(["python", "-m", "benchmarks.bench_nope"]) == [
+        "python -m benchmarks.bench_nope: no such module"
+    ]
+    assert check_argv(["python", "benchmarks/bench_lp.py", "--seed", "1"]) == [
+        "benchmarks/bench_lp.py: run benchmarks as modules: python -m benchmarks.bench_lp"
     ]
     assert check_argv(["python", "-m", "p2ptrain.testing.natlab.cli", "cleanup", "--all"]) == []
     assert check_argv(["pip", "install", "--whatever"]) == []  # not ours

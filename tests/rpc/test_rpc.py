@@ -21,10 +21,7 @@ from p2ptrain.node.config import NodeConfig
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
-
-
-async def echo(ctx: CallContext, request: Message) -> Message:
-    return Message({"echo": request.body, "from": str(ctx.peer)}, request.payload)
+from p2ptrain.testing.echo import echo
 
 
 async def test_unary_call_carries_body_and_payload(make_node: NodeFactory) -> None:
@@ -32,7 +29,7 @@ async def test_unary_call_carries_body_and_payload(make_node: NodeFactory) -> No
     server.handlers.add_unary("echo", echo)
     payload = bytes(range(256)) * 1000
     reply = await client.call(server.address, "echo", {"k": [1, 2]}, payload, timeout=5)
-    assert reply.body == {"echo": {"k": [1, 2]}, "from": str(client.peer_id)}
+    assert reply.body == {"body": {"k": [1, 2]}, "peer": str(client.peer_id), "path": "tcp-direct"}
     assert bytes(reply.payload) == payload
 
 
@@ -101,7 +98,7 @@ async def test_remote_errors_arrive_typed(make_node: NodeFactory) -> None:
         await client.call(server.address, "nope", timeout=5)
     # The connection survives all of it.
     server.handlers.add_unary("echo", echo)
-    assert (await client.call(server.address, "echo", 1, timeout=5)).body["echo"] == 1
+    assert (await client.call(server.address, "echo", 1, timeout=5)).body["body"] == 1
 
 
 async def test_deadline_reaches_the_server(make_node: NodeFactory) -> None:
@@ -189,7 +186,7 @@ async def test_a_stalled_bulk_stream_does_not_block_small_calls(make_node: NodeF
     pumping = asyncio.create_task(pump())
     for i in range(50):
         reply = await client.call(server.address, "echo", i, timeout=5)
-        assert reply.body["echo"] == i
+        assert reply.body["body"] == i
     assert not pumping.done()
     # The sender is held by flow control: at most one window plus one frame out.
     assert window <= sent <= window + 2 * len(chunk)
@@ -234,7 +231,7 @@ async def test_a_call_refused_locally_leaves_the_connection_healthy(
     conn = client.connection_to(server.peer_id)
     assert conn is not None and conn.open_streams == 0
     reply = await client.call(server.address, "echo", "fine", b"y" * 1000, timeout=5)
-    assert reply.body["echo"] == "fine"
+    assert reply.body["body"] == "fine"
     assert not conn.closed
 
 

@@ -43,11 +43,12 @@ from p2ptrain.errors import (
 )
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.connection import Connection
-from p2ptrain.rpc.handlers import CallContext, HandlerTable, Message
+from p2ptrain.rpc.handlers import CallContext, HandlerTable
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.handshake import AdmissionPolicy, perform_handshake
 from p2ptrain.secure.identity import Identity
 from p2ptrain.testing.conformance import Check, Side, SideRunner, run_check_split, run_side
+from p2ptrain.testing.echo import echo
 from p2ptrain.testing.natlab.lab import NatLab
 from p2ptrain.testing.natlab.plugin import natlab_fixture
 from p2ptrain.transport import webrtc_connect as webrtc_connect_module
@@ -670,10 +671,6 @@ async def test_reassembly_gate_delivers_messages_completed_out_of_order() -> Non
 # -- real connections in the NAT lab -----------------------------------------------------------
 
 
-async def echo(context: CallContext, request: Message) -> Message:
-    return Message({"echo": request.body, "path": context.path}, request.payload)
-
-
 async def sink(context: CallContext, stream: RPCStream) -> None:
     digest, total = hashlib.sha256(), 0
     async for message in stream:
@@ -720,7 +717,7 @@ def rpc_check(transfer_bytes: int, expected_path: str, results: dict[str, Any]) 
         assert conn.path == expected_path
         for i in range(20):
             reply = await conn.call("echo", {"i": i}, os.urandom(i * 1000), timeout=20)
-            assert reply.body == {"echo": {"i": i}, "path": expected_path}
+            assert (reply.body["body"], reply.body["path"]) == ({"i": i}, expected_path)
         stream = await conn.open_stream("sink", timeout=300)
         started, sent, digest = time.perf_counter(), 0, hashlib.sha256()
         while sent < transfer_bytes:

@@ -1,10 +1,10 @@
 """Peer processes of the all-reduce benchmark: p2ptrain and torch.distributed (gloo).
 
 Run by ``bench_allreduce.py``, one process per peer, speaking the line
-protocol of ``_allreduce_proto.py``::
+protocol of ``allreduce/proto.py``::
 
-    python benchmarks/_allreduce_workers.py p2ptrain --host 127.0.0.1
-    python benchmarks/_allreduce_workers.py gloo --host 127.0.0.1 --master 127.0.0.1:PORT \
+    python -m benchmarks.allreduce.workers p2ptrain --host 127.0.0.1
+    python -m benchmarks.allreduce.workers gloo --host 127.0.0.1 --master 127.0.0.1:PORT \
         --rank R --world N --ifname lo
 
 p2ptrain: a :class:`~p2ptrain.node.node.Node` with its all-reduce service on
@@ -43,9 +43,7 @@ from typing import Any
 
 import torch
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._allreduce_proto import (
+from benchmarks.allreduce.proto import (
     TOLERANCE,
     RoundOutcome,
     input_vector,

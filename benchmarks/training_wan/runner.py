@@ -5,8 +5,8 @@ Each system trains in a fresh star lab (:mod:`p2ptrain.testing.starlab`):
 link of ``--up-mbit`` / ``--down-mbit`` (``tc tbf``) with ``--rtt-ms`` of
 round-trip time (the kernel has no netem: every host routes its sends
 through the lab's user-space delay shim, ``rtt/2`` each way). One peer
-process per host (``_training_wan_peer.py`` for p2ptrain,
-``_training_wan_hivemind.py`` run by hivemind's interpreter) trains the same
+process per host (``training_wan/peer.py`` for p2ptrain,
+``training_wan/hivemind.py`` run by hivemind's interpreter) trains the same
 charlm configuration from the same seed, each peer on its own shard of the
 data with local batches of ``--batch``, until its global step reaches
 ``--steps``:
@@ -20,7 +20,7 @@ data with local batches of ``--batch``, until its global step reaches
   round (``peers × batch × H`` samples a round), overlapped rounds unless
   ``--diloco-sync``;
 * ``hivemind``: hivemind.Optimizer with delayed parameter updates, target
-  ``--target`` (see ``_training_wan_hivemind.py`` for its settings). Its
+  ``--target`` (see ``training_wan/hivemind.py`` for its settings). Its
   global step is the number of updates in the parameters: ``local_epoch - 1``
   (the step that opens epoch e first installs the update of epoch e - 1).
 
@@ -71,14 +71,12 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks._common import JsonChild, emit_json, find_hivemind, format_table, plot_bars
+from benchmarks.harness import JsonChild, emit_json, find_hivemind, format_table, plot_bars
 
 __all__ = ["SYSTEMS", "add_wan_arguments", "resolve_wan_defaults", "run_wan"]
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-P2PTRAIN_WORKER = HERE / "_training_wan_peer.py"
-HIVEMIND_WORKER = HERE / "_training_wan_hivemind.py"
+P2PTRAIN_WORKER = "benchmarks.training_wan.peer"
+HIVEMIND_WORKER = "benchmarks.training_wan.hivemind"
 SYSTEMS = ("p2ptrain_sync", "p2ptrain_overlap", "p2ptrain_diloco", "hivemind")
 START_TIMEOUT = 180.0
 
@@ -148,14 +146,13 @@ class _Worker(JsonChild):
     """A worker process in host ``index``'s namespace; its stderr goes to a log file."""
 
     def __init__(  # noqa: PLR0917 - a private helper of this module
-        self, lab: Any, index: int, script: Path, job: dict[str, Any], python: str, log: Path
+        self, lab: Any, index: int, module: str, job: dict[str, Any], python: str, log: Path
     ) -> None:
         self.log = log
         self._log_file: IO[bytes] = log.open("wb")
         super().__init__(
-            script,
+            module,
             [json.dumps(job)],
-            root=ROOT,
             python=python,
             prefix=lab.argv(index, []),
             stderr=self._log_file,

@@ -2,12 +2,12 @@
 
 Usage (by ``bench_allreduce.py``)::
 
-    python benchmarks/_allreduce_hivemind.py --host 127.0.0.1 \
+    python -m benchmarks.allreduce.hivemind --host 127.0.0.1 \
         [--initial-peer MULTIADDR ...]
 
 One ``hivemind.DHT`` (with its p2p daemon) per peer, and one
 ``DecentralizedAverager`` per vector size, created on the first ``prepare``
-of that size. It speaks the line protocol of ``_allreduce_proto.py``:
+of that size. It speaks the line protocol of ``allreduce/proto.py``:
 
 * ``prepare`` writes the peer's input into the averaged tensor and calls
   ``averager.step(wait=False, require_trigger=True)``; it answers once
@@ -40,9 +40,7 @@ from typing import Any
 
 import torch
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._allreduce_proto import (
+from benchmarks.allreduce.proto import (
     TOLERANCE,
     RoundOutcome,
     input_vector,

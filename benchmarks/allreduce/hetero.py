@@ -47,28 +47,23 @@ the ring model predicts ``2(n−1)/n · V / min_i min(u_i, d_i)``.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2ptrain.allreduce import ThroughputMeter
-from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
-from p2ptrain.allreduce.partition import equal_shares, evaluate_round_time
-from p2ptrain.testing.natlab.netns import python_env
-
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._allreduce_netlab import LinkSpec, StarLab
-from benchmarks._allreduce_runner import PeerGroup, Round, run_round
-from benchmarks._allreduce_systems import (
+from benchmarks.allreduce.netlab import LinkSpec, StarLab
+from benchmarks.allreduce.runner import PeerGroup, Round, run_round
+from benchmarks.allreduce.systems import (
     p2ptrain_plan,
     p2ptrain_prepares,
     start_gloo,
     start_p2ptrain,
     vector_prepares,
 )
+from p2ptrain.allreduce import ThroughputMeter
+from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
+from p2ptrain.allreduce.partition import equal_shares, evaluate_round_time
+from p2ptrain.testing.natlab.netns import python_env
 
 __all__ = ["SCENARIO", "HeteroPeer", "HeteroResult", "Prediction", "predict", "run_hetero"]
 

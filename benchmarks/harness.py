@@ -1,4 +1,11 @@
-"""Helpers shared by the benchmarks: event loops, server processes, statistics, output.
+"""The harness every benchmark shares: child processes, event loops, statistics, output.
+
+Benchmarks are modules of the ``benchmarks`` package, run from the repository
+root as ``python -m benchmarks.bench_NAME`` (or ``p2ptrain bench NAME``). A
+child process of a benchmark is another module of the package, started with
+:func:`module_argv` and :func:`child_env` (or :class:`JsonChild` /
+:class:`ServerProcess`, which use them), so no file needs to put the
+repository on ``sys.path`` itself. Event loops come from :mod:`p2ptrain.aio`.
 
 A benchmark script prints a human-readable table and then, as its very last
 line, one JSON object (see :func:`emit_json`) so that tooling can parse the
@@ -24,22 +31,27 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
+from p2ptrain import aio
+
 __all__ = [
     "READY_PREFIX",
+    "ROOT",
     "DefaultsHelpFormatter",
     "JsonChild",
     "ServerProcess",
     "announce_ready",
+    "child_env",
     "cpu_seconds",
     "emit_json",
     "find_hivemind",
     "format_table",
     "median",
+    "module_argv",
     "percentile",
     "plot_bars",
     "run",
@@ -50,16 +62,31 @@ __all__ = [
 T = TypeVar("T")
 
 READY_PREFIX = "READY "
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root: the folder that holds the ``benchmarks`` package."""
+
+
+def module_argv(module: str, *args: str, python: str = sys.executable) -> list[str]:
+    """The command line that runs a module of this package (``benchmarks.X``) in a child."""
+    return [python, "-m", module, *args]
+
+
+def child_env() -> dict[str, str]:
+    """This environment with :data:`ROOT` first on ``PYTHONPATH``, for children that
+    run modules of this package (from whatever folder they start in)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 # -- worker processes ------------------------------------------------------------------------
 
 
 class JsonChild:
-    """A worker process of a benchmark script whose JSON stdout lines a thread collects.
+    """A worker process of a benchmark whose JSON stdout lines a thread collects.
 
-    The worker is ``python SCRIPT *args`` run from ``root`` with ``root`` on
-    ``PYTHONPATH``; lines that are not JSON objects are ignored. An empty
+    The worker is ``python -m MODULE *args`` (a module of this package) run
+    from :data:`ROOT`; lines that are not JSON objects are ignored. An empty
     message marks the end of its output. ``python`` picks another interpreter,
     ``prefix`` goes before the command line (e.g. ``ip netns exec NS``), and
     ``stderr`` (an open file) receives the worker's standard error.
@@ -67,22 +94,21 @@ class JsonChild:
 
     def __init__(
         self,
-        script: str | Path,
+        module: str,
         args: Sequence[str],
         *,
-        root: Path,
         python: str = sys.executable,
         prefix: Sequence[str] = (),
         stderr: IO[bytes] | None = None,
     ) -> None:
         self.process = subprocess.Popen(
-            [*prefix, python, str(script), *args],
+            [*prefix, *module_argv(module, *args, python=python)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
-            cwd=root,
-            env={**os.environ, "PYTHONPATH": str(root)},
+            cwd=ROOT,
+            env=child_env(),
         )
         self.lines: list[dict[str, Any]] = []
         self._ready = threading.Condition()
@@ -166,24 +192,12 @@ def find_hivemind(requested: str | None) -> tuple[str | None, str]:
 # -- event loops ---------------------------------------------------------------------------
 
 
-def uvloop_available() -> bool:
-    """Whether uvloop can be imported here."""
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return False
-    return True
+uvloop_available = aio.has_uvloop
 
 
 def run(main: Coroutine[Any, Any, T], *, use_uvloop: bool) -> T:
     """Run ``main`` to completion on a fresh asyncio or uvloop event loop."""
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    if use_uvloop:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main)
+    return aio.run(main, use_uvloop=use_uvloop)
 
 
 # -- server processes ----------------------------------------------------------------------
@@ -220,7 +234,7 @@ class ServerProcess:
     Use as a context manager; :attr:`address` holds what the child announced.
 
     Args:
-        argv: The command to run, e.g. ``[sys.executable, __file__, "--role", "server"]``.
+        argv: The command to run, e.g. ``module_argv("benchmarks.bench_x", "--role", "server")``.
         ready_timeout: Seconds the child has to announce its address.
         stop_timeout: Seconds the child has to exit after stdin closes before it is killed.
     """
@@ -243,7 +257,9 @@ class ServerProcess:
 
     def start(self) -> str:
         """Start the child and wait for its ``READY`` line; returns the address."""
-        self._proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._proc = subprocess.Popen(
+            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env()
+        )
         try:
             self.address = self._read_ready()
         except BaseException:

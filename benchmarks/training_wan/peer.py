@@ -1,8 +1,8 @@
 """One p2ptrain peer of ``bench_training.py --wan``, run inside its namespace of the star lab.
 
-Usage (by ``_training_wan.py``)::
+Usage (by ``training_wan/runner.py``)::
 
-    python benchmarks/_training_wan_peer.py JOB_JSON
+    python -m benchmarks.training_wan.peer JOB_JSON
 
 ``JOB_JSON["system"]`` picks the trainer:
 
@@ -20,7 +20,7 @@ Usage (by ``_training_wan.py``)::
 The peer is configured as ``p2ptrain train`` configures one (matchmaking
 window 2 s, its progress settings, fp16 all-reduce), listening on its
 namespace address with plain TCP (no NAT in the lab). The line protocol is
-in ``_training_wan_model.py``.
+in ``training_wan/model.py``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ from typing import Any
 
 import torch
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._training_wan_model import (
+from benchmarks.training_wan.model import (
     Commands,
     Recorder,
     build,

@@ -1,6 +1,6 @@
 """The adaptive part of the shaped all-reduce benchmark: the LP fed only by measurement.
 
-Same eight peers and tbf links as ``_allreduce_hetero.py``, in fresh star labs:
+Same eight peers and tbf links as ``allreduce/hetero.py``, in fresh star labs:
 
 * **measured**: no configured rate anywhere. Each peer probes all the others
   at once (``probe_peers``, 2 MiB each), one prober at a time, as
@@ -24,22 +24,17 @@ Same eight peers and tbf links as ``_allreduce_hetero.py``, in fresh star labs:
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from benchmarks.allreduce.hetero import SCENARIO, HeteroPeer
+from benchmarks.allreduce.netlab import LinkSpec, StarLab
+from benchmarks.allreduce.runner import PeerGroup, run_round
+from benchmarks.allreduce.systems import p2ptrain_plan, p2ptrain_prepares, start_p2ptrain
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
 from p2ptrain.testing.natlab.netns import python_env
-
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._allreduce_hetero import SCENARIO, HeteroPeer
-from benchmarks._allreduce_netlab import LinkSpec, StarLab
-from benchmarks._allreduce_runner import PeerGroup, run_round
-from benchmarks._allreduce_systems import p2ptrain_plan, p2ptrain_prepares, start_p2ptrain
 
 __all__ = ["run_adaptive"]
 

@@ -1,6 +1,6 @@
 """How the all-reduce benchmark starts each system's peers and what it tells them per round.
 
-Every system is a :class:`~_allreduce_runner.PeerGroup` of one process per
+Every system is a :class:`~benchmarks.allreduce.runner.PeerGroup` of one process per
 peer; ``wrap(index, argv)`` turns a peer's command line into the one to run
 (identity on loopback, ``ip netns exec <ns> ...`` in the star lab). The
 ``*_prepares`` functions build one ``prepare`` command per peer for one round.
@@ -8,22 +8,17 @@ peer; ``wrap(index, argv)`` turns a peer's command line into the one to run
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import msgpack
 
+from benchmarks.allreduce.runner import PeerGroup
+from benchmarks.harness import find_hivemind
 from p2ptrain.allreduce import GroupMember, GroupPlan
 from p2ptrain.node.address import PeerAddress
-
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._allreduce_runner import PeerGroup
-from benchmarks._common import find_hivemind
 
 __all__ = [
     "Wrap",
@@ -37,9 +32,8 @@ __all__ = [
     "vector_prepares",
 ]
 
-HERE = Path(__file__).resolve().parent
-WORKER = str(HERE / "_allreduce_workers.py")
-HIVEMIND_WORKER = str(HERE / "_allreduce_hivemind.py")
+WORKER = "benchmarks.allreduce.workers"
+HIVEMIND_WORKER = "benchmarks.allreduce.hivemind"
 START_TIMEOUT = 120.0
 """Seconds a group of peers has to start (imports, DHT bootstrap, gloo rendezvous)."""
 
@@ -78,7 +72,7 @@ def start_p2ptrain(
     peer (``{pid}`` expands); ``insecure_plaintext`` runs the peers with the
     trusted-cluster opt-out (no records after the handshake).
     """
-    base = [sys.executable, WORKER, "p2ptrain", "--timeout", str(timeout)]
+    base = [sys.executable, "-m", WORKER, "p2ptrain", "--timeout", str(timeout)]
     if pool_mib is not None:
         base += ["--pool-mib", str(pool_mib)]
     if profile is not None:
@@ -146,6 +140,7 @@ def start_gloo(
             rank,
             [
                 sys.executable,
+                "-m",
                 WORKER,
                 "gloo",
                 "--master",
@@ -192,6 +187,7 @@ def start_hivemind(
     """Start ``peers`` hivemind peers: the first, then the others bootstrapping from it."""
     base = [
         python,
+        "-m",
         HIVEMIND_WORKER,
         "--host",
         host,

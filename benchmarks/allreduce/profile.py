@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["summarize"]
 
-BENCHMARK_FILES = ("_allreduce_proto.py", "_allreduce_workers.py")
+BENCHMARK_FILES = tuple(str(Path(__file__).with_name(name)) for name in ("proto.py", "workers.py"))
 """Code of the benchmark itself (inputs, checks), not of p2ptrain."""
 
 
@@ -49,7 +49,7 @@ def summarize(paths: Sequence[Path], *, top: int = 15) -> tuple[list[tuple[float
                     continue
                 key = f"{_label(function)} <- {_label(caller)}"
                 table[key] = table.get(key, 0.0) + seconds
-        elif Path(function[0]).name in BENCHMARK_FILES:
+        elif str(Path(function[0]).resolve()) in BENCHMARK_FILES:
             ours += own_time
         else:
             key = _label(function)

@@ -1,7 +1,7 @@
 """What the all-reduce benchmark's parent and its peer processes share.
 
 This module needs only the standard library and torch, so that the hivemind
-peer (run by another interpreter, see ``_allreduce_hivemind.py``) imports it
+peer (run by another interpreter, see ``allreduce/hivemind.py``) imports it
 too.
 
 **Line protocol.** A peer process writes its messages to stdout as

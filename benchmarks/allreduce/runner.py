@@ -2,7 +2,7 @@
 
 :class:`PeerGroup` starts one process per peer (each in its own session, so
 that whatever it spawns, e.g. hivemind's p2p daemon, can be stopped with it),
-talks to them with the line protocol of ``_allreduce_proto.py``, and always
+talks to them with the line protocol of ``allreduce/proto.py``, and always
 stops them: on ``close`` every process gets ``quit``, then its process group
 SIGTERM and SIGKILL. stderr of each peer goes to a file in a temporary
 directory, whose tail is shown when a peer fails.
@@ -27,9 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._allreduce_proto import parse_line
+from benchmarks.allreduce.proto import parse_line
 
 __all__ = [
     "BenchmarkError",

@@ -1,8 +1,8 @@
 """One hivemind.Optimizer peer of ``bench_training.py --wan`` (run by hivemind's interpreter).
 
-Usage (by ``_training_wan.py``, inside the peer's namespace)::
+Usage (by ``training_wan/runner.py``, inside the peer's namespace)::
 
-    HIVEMIND_PYTHON benchmarks/_training_wan_hivemind.py JOB_JSON
+    HIVEMIND_PYTHON benchmarks/training_wan/hivemind.py JOB_JSON
 
 The same model, seed, data shard, local batch, AdamW and target batch as the
 p2ptrain peers, trained with ``hivemind.Optimizer`` configured as its
@@ -29,15 +29,12 @@ Nothing of p2ptrain but the charlm example model is imported.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
 import torch
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._training_wan_model import (
+from benchmarks.training_wan.model import (
     Commands,
     Recorder,
     build,

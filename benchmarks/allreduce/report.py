@@ -1,26 +1,22 @@
 """Output of the all-reduce benchmark: its tables, the goals, the plot.
 
 Everything here reads measurements (:class:`Series` of loopback rounds, a
-:class:`~_allreduce_hetero.HeteroResult`) and prints or draws them; the
+:class:`~benchmarks.allreduce.hetero.HeteroResult`) and prints or draws them; the
 functions return what goes into the JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._allreduce_hetero import TCP_GOODPUT, HeteroResult
-from benchmarks._allreduce_profile import summarize
-from benchmarks._allreduce_runner import Round
-from benchmarks._common import format_table, uvloop_available
+from benchmarks.allreduce.hetero import TCP_GOODPUT, HeteroResult
+from benchmarks.allreduce.profile import summarize
+from benchmarks.allreduce.runner import Round
+from benchmarks.harness import format_table, uvloop_available
 
 __all__ = [
     "GLOO_GOAL",

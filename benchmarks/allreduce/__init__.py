@@ -1,0 +1,1 @@
+"""The helpers of ``bench_allreduce``: worker processes, the shaped lab, systems, reports."""
