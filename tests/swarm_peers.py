@@ -74,12 +74,13 @@ def sgd(params: Any) -> torch.optim.Optimizer:
 def swarm(
     stages: list[int],
     *,
-    config: StageServerConfig | None = None,
+    config: StageServerConfig | list[StageServerConfig] | None = None,
     model: PipelineModel | None = None,
 ) -> Iterator[tuple[Peer, list[Peer], list[StageServer]]]:
     """A trainer peer plus one serving peer per entry of ``stages`` (its stage index)."""
     model = model or mlp_model()
     config = config or server_config()
+    configs = config if isinstance(config, list) else [config] * len(stages)
     first = Peer(replace(peer_config((), FAST_MATCHMAKING), nat=None, probe_bytes=None))
     first.start()
     peers: list[Peer] = []
@@ -91,9 +92,9 @@ def swarm(
             )
             peer.start()
             peers.append(peer)
-        for peer, stage in zip(peers, stages, strict=True):
+        for peer, stage, cfg in zip(peers, stages, configs, strict=True):
             server = StageServer(
-                peer=peer, model=model, stage=stage, make_optimizer=sgd, config=config
+                peer=peer, model=model, stage=stage, make_optimizer=sgd, config=cfg
             )
             server.start()
             servers.append(server)
@@ -117,3 +118,8 @@ def make_trainer(peer: Peer, num_stages: int = 2, **changes: Any) -> PipelineTra
     return PipelineTrainer(
         peer=peer, config=trainer_config(num_stages, **changes), loss=nn.functional.mse_loss, seed=0
     )
+
+
+def kill(peer: Peer) -> None:
+    """Stop ``peer`` at once, as a crash would (no goodbye); close it later as usual."""
+    peer.run(peer.node.abort(), timeout=10)

@@ -186,6 +186,9 @@ class StageServer:
         self._forward_s = 0.0
         self.stats = StageServerStats()
         self._closed = False
+        self.on_event: Callable[[str, int], None] | None = None
+        """Called on the peer's loop with (``forward_started`` | ``forward_done`` |
+        ``backward_done``, stage): for tests, demos and monitors."""
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -439,6 +442,10 @@ class StageServer:
 
     # -- handlers ----------------------------------------------------------------------
 
+    def _emit(self, event: str, stage: int) -> None:
+        if self.on_event is not None:
+            self.on_event(event, stage)
+
     def _parse(self, message: Message, tensor_key: str | None) -> tuple[StageRequest, _Stage]:
         try:
             request = parse_request(
@@ -474,6 +481,7 @@ class StageServer:
                 " micro-batches (the cap); send their backward first"
             )
         self._held_per_peer[ctx.peer] += 1  # reserved while computing
+        self._emit("forward_started", state.index)
         loop = asyncio.get_running_loop()
         stored = False
         try:
@@ -492,6 +500,7 @@ class StageServer:
                 if self._held_per_peer[ctx.peer] <= 0:
                     del self._held_per_peer[ctx.peer]
         self.stats.forwards += 1
+        self._emit("forward_done", state.index)
         header, view = encode_for_wire(y, self.config.wire_dtype)
         return Message({"y": header}, view)
 
@@ -537,6 +546,7 @@ class StageServer:
             self._compute, self._backward_job, held, request.tensor, request.samples, commit_by
         )
         self.stats.backwards += 1
+        self._emit("backward_done", state.index)
         if grad_x is None:
             return Message({"g": None})
         header, view = encode_for_wire(grad_x, self.config.wire_dtype)

@@ -268,6 +268,10 @@ class PipelineTrainer:
                 jitter=self.config.jitter,
             )
             if chosen is not None:
+                link = self._links.get(chosen.address)
+                if link is not None and link.avoid_until > now:
+                    # every peer of the stage failed lately: retry, but not in a hot loop
+                    await asyncio.sleep(self.config.retry_interval)
                 if waited_since is not None:
                     paused = time.monotonic() - waited_since
                     self.stats.paused_s += paused
