@@ -188,7 +188,7 @@ class StageServer:
         self._closed = False
         self.on_event: Callable[[str, int], None] | None = None
         """Called on the peer's loop with (``forward_started`` | ``forward_done`` |
-        ``backward_done``, stage): for tests, demos and monitors."""
+        ``backward_done`` | ``stepped``, stage): for tests, demos and monitors."""
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -377,10 +377,13 @@ class StageServer:
             state = self._state
             if state is None or self._moving:
                 continue
+            before = state.copt.global_step
             try:
                 await loop.run_in_executor(self._stepper, self._hand_over, state)
             except Exception:
                 logger.exception("stage %d: handing gradients to the optimizer failed", state.index)
+            if state.copt.global_step != before:
+                self._emit("stepped", state.index)
 
     def _hand_over(self, state: _Stage) -> None:
         """Give the accumulated gradients to the stage's optimizer as one batch (stepper thread)."""
