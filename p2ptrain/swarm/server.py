@@ -90,6 +90,8 @@ class StageServerStats:
     forwards: int = 0
     backwards: int = 0
     samples_committed: int = 0
+    samples_in_steps: int = 0
+    """This peer's samples in the stage steps it applied (each step's ``own``)."""
     refused_full: int = 0
     refused_late: int = 0
     bad_requests: int = 0
@@ -392,11 +394,13 @@ class StageServer:
             for p, total in zip(state.params, state.sums, strict=True):
                 p.grad = total / samples if samples else None
                 total.zero_()
-        before = state.copt.global_step
+        before = state.copt.last_step
         state.copt.step(batch_size=samples)
-        if state.copt.global_step != before:
+        record = state.copt.last_step
+        if record is not None and record is not before:  # a step applied (not a download)
             steps = self.stats.steps_by_stage
             steps[state.index] = steps.get(state.index, 0) + 1
+            self.stats.samples_in_steps += record.own
 
     async def _announce_loop(self) -> None:
         while True:
