@@ -103,3 +103,49 @@ def test_a_stage_with_no_live_peer_pauses_with_a_status_line_then_gives_up() -> 
         with pytest.raises(StageUnavailableError, match="stage 1"):
             trainer.step(*regression_batch(0), timeout=30)
         assert trainer.stats.micro_batches == 0
+
+
+def test_samples_a_killed_peer_had_not_yet_averaged_are_replayed_and_counted_once() -> None:
+    # Stage steps of 10 micro-batches: the victim holds committed, unaveraged samples.
+    # A floor on compute keeps stage steps ~1 s apart: the two stage-1 peers then
+    # average together (far faster steps outrun their matchmaking and one of them
+    # keeps downloading the other's state, losing and replaying its samples).
+    config = server_config(
+        target_batch_size=320, announce_ttl=1.5, announce_interval=0.2, min_compute_s=0.01
+    )
+    with swarm([0, 1, 1], config=config) as (trainer_peer, peers, servers):
+        trainer = make_trainer(trainer_peer, refresh_interval=0.2, avoid_s=0.5)
+        i = 0
+        while servers[1].stats.samples_committed < 32 or servers[2].stats.samples_committed < 32:
+            trainer.step(*regression_batch(i), timeout=30)
+            i += 1
+            assert i < 200
+        victim, survivor = servers[1], servers[2]
+        trainer_peer.run(trainer.confirm(), timeout=30)  # the receipts as of the kill
+        kill(peers[1])
+        lost = victim.stats.samples_committed - victim.stats.samples_in_steps
+        assert lost > 0
+        step_at_kill = survivor.global_step
+        # Training goes on until the victim's passes were replayed and stage 1 stepped twice.
+        while trainer.awaiting(victim._address) or survivor.global_step < step_at_kill + 2:
+            trainer.step(*regression_batch(i), timeout=30)
+            i += 1
+            assert i < 1000
+        trainer_peer.run(trainer.settle(), timeout=60)
+        assert trainer.stats.replayed_samples >= lost
+        trainer.close()
+        delivered = trainer.stats.samples_delivered
+        for server in (servers[0], survivor):
+            server.close()  # hands the last partial step's samples to its optimizer
+        stage0 = servers[0].stats.samples_in_steps + servers[0].optimizer.local_samples
+        stage1 = (
+            victim.stats.samples_in_steps
+            + survivor.stats.samples_in_steps
+            + survivor.optimizer.local_samples
+        )
+        print(
+            f"delivered {delivered}, counted stage 0 {stage0}, stage 1 {stage1}; replayed "
+            f"{trainer.stats.replayed_samples} ({lost} lost with the victim)"
+        )
+        assert stage0 == delivered
+        assert stage1 == delivered
