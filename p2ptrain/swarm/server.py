@@ -376,7 +376,7 @@ class StageServer:
         deadline = time.monotonic() + timeout
         self._hand_over(state)
         while owed and state.copt.global_step == start_step and time.monotonic() < deadline:
-            state.copt.step(batch_size=0)
+            self._hand_over(state)  # steps (with nothing new) and accounts for the step
             if state.copt.global_step == start_step:
                 time.sleep(self.config.step_interval)  # polls the stage's progress
         if owed and state.copt.global_step == start_step:

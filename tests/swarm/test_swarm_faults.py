@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import threading
+import asyncio
+from collections.abc import Callable
 
 import pytest
 import torch
 from swarm_peers import RUN, kill, make_trainer, regression_batch, server_config, swarm
 
 from p2ptrain.errors import InvalidArgumentError, ResourceExhaustedError, StageUnavailableError
-from p2ptrain.swarm import StageServer
 from p2ptrain.swarm.protocol import (
     BACKWARD_METHOD,
     FORWARD_METHOD,
@@ -19,37 +19,28 @@ from p2ptrain.swarm.protocol import (
 from p2ptrain.wire.tensors import encode_tensor
 
 
-def _watch(server: StageServer, wanted: str) -> threading.Event:
-    seen = threading.Event()
-
-    def on_event(event: str, stage: int) -> None:
-        if event == wanted:
-            seen.set()
-
-    server.on_event = on_event
-    return seen
-
-
 @pytest.mark.parametrize("moment", ["forward_started", "forward_done"])
 def test_a_stage_peer_killed_mid_micro_batch_costs_a_retry_and_counts_once(moment: str) -> None:
     slow = server_config(min_compute_s=0.3)
     with swarm([0, 1, 1], config=[server_config(), slow, slow]) as (trainer_peer, peers, servers):
         trainer = make_trainer(trainer_peer)
         trainer.step(*regression_batch(0), timeout=30)  # both stage-1 peers are announced
-        events = {i: _watch(servers[i], moment) for i in (1, 2)}
         before = {i: servers[i].stats.samples_committed for i in (0, 1, 2)}
-        done = trainer_peer.submit(trainer.train_micro_batch(*regression_batch(1)))
-        victim = None
-        for _ in range(2):  # the trainer picked one of the two stage-1 peers
-            for i, event in events.items():
-                if event.wait(timeout=0.1 if victim is None else 0):
-                    victim = i
-            if victim is not None:
-                break
-        if victim is None:
-            victim = next(i for i, e in events.items() if e.wait(timeout=20))
-        kill(peers[victim])
-        done.result(timeout=30)
+        killed: list[int] = []
+
+        def killer(index: int) -> Callable[[str, int], None]:
+            def on_event(event: str, stage: int) -> None:
+                if event == moment and not killed:  # the kill lands at once, on its loop
+                    killed.append(index)
+                    asyncio.get_running_loop().create_task(peers[index].node.abort())
+
+            return on_event
+
+        for index in (1, 2):
+            servers[index].on_event = killer(index)
+        trainer.step(*regression_batch(1), timeout=60)
+        assert killed
+        victim = killed[0]
         survivor = 3 - victim
         assert trainer.stats.retries >= 1
         assert trainer.stats.samples_delivered == 32
