@@ -108,7 +108,7 @@ def test_samples_a_killed_peer_had_not_yet_averaged_are_replayed_and_counted_onc
         target_batch_size=320, announce_ttl=1.5, announce_interval=0.2, min_compute_s=0.01
     )
     with swarm([0, 1, 1], config=config) as (trainer_peer, peers, servers):
-        trainer = make_trainer(trainer_peer, refresh_interval=0.2, avoid_s=0.5)
+        trainer = make_trainer(trainer_peer, refresh_interval=0.2, avoid_s=0.5, gone_after=1.0)
         i = 0
         while servers[1].stats.samples_committed < 32 or servers[2].stats.samples_committed < 32:
             trainer.step(*regression_batch(i), timeout=30)
