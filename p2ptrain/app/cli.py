@@ -253,6 +253,27 @@ def _add_train_parser(commands: _Commands) -> None:
     _add_step_flags(train)
     _add_run_flags(train)
     _add_train_nat_flags(train)
+    _add_pipeline_flags(train)
+
+
+def _add_pipeline_flags(train: argparse.ArgumentParser) -> None:
+    """``p2ptrain train --pipeline``: SWARM pipeline training (docs/pipeline.md)."""
+    group = train.add_argument_group("pipeline (a model larger than one peer)")
+    group.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="serve one stage of a pipeline run and train through it (the task declares blocks)",
+    )
+    group.add_argument("--stage", type=int, help="stage to serve (default: the least served)")
+    group.add_argument(
+        "--memory-budget-mb", type=float, help="cap on a stage's parameters + optimizer state"
+    )
+    group.add_argument(
+        "--compute-floor", type=float, default=0.0, help="emulated device: seconds per micro-batch"
+    )
+    group.add_argument(
+        "--in-flight", type=int, default=2, help="micro-batches kept in the pipeline (2)"
+    )
 
 
 def _add_step_flags(train: argparse.ArgumentParser) -> None:
@@ -627,6 +648,49 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_pipeline_train(args: argparse.Namespace) -> int:
+    """``p2ptrain train --pipeline`` (see :mod:`p2ptrain.app.pipeline`)."""
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())  # a clean end, with a summary
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+
+    def joined(address: str) -> None:
+        print(f"joined as {address}", file=sys.stderr, flush=True)
+
+    from p2ptrain.app.pipeline import (  # noqa: PLC0415 - imports torch
+        PipelinePeerConfig,
+        json_line_writer,
+        run_pipeline_peer,
+    )
+
+    config = PipelinePeerConfig(
+        initial_peers=_join_addresses(args),
+        run_id=args.run_id or "pipeline",
+        node=_node_config(args),
+        task=args.task,
+        stage=args.stage,
+        target_batch_size=args.target_batch_size,
+        batch_size=args.batch_size,
+        seconds=args.seconds,
+        memory_budget_mb=args.memory_budget_mb,
+        compute_floor_s=args.compute_floor,
+        in_flight=args.in_flight,
+        identity_path=args.identity,
+    )
+    log = json_line_writer(sys.stdout) if args.log_json == "-" else None
+    summary = run_pipeline_peer(config, display=sys.stderr, log=log, announce=joined, stop=stop)
+    print(
+        f"pipeline: stage {summary.stage}, {summary.stage_steps} stage steps,"
+        f" {summary.samples_delivered} samples delivered, {summary.retries} retries,"
+        f" loss {summary.loss}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _run_status(args: argparse.Namespace) -> int:
     from p2ptrain.app.status import StatusConfig, watch_status  # noqa: PLC0415
 
@@ -773,7 +837,7 @@ _COMMANDS = {
     "keygen": _run_keygen,
     "demo": _run_demo,
     "bootstrap": _run_bootstrap,
-    "train": _run_train,
+    "train": lambda args: (_run_pipeline_train if args.pipeline else _run_train)(args),
     "status": _run_status,
     "bench": _run_bench,
 }
