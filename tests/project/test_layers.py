@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
     (("nat", ("p2ptrain.nat",)), ("allreduce", ("p2ptrain.allreduce",))),
     (("peer", ("p2ptrain.peer",)),),
     (("train", ("p2ptrain.train",)),),
+    (("swarm", ("p2ptrain.swarm",)),),
     (("testing", ("p2ptrain.testing",)), ("examples", ("p2ptrain.examples",))),
     (("app", ("p2ptrain.app", "p2ptrain.__main__")),),
 )

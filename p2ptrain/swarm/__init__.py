@@ -1,0 +1,1 @@
+"""SWARM pipeline training (placeholder until the core package lands)."""
