@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["PipelineModel", "Residual", "batch", "build_blocks", "stage_module"]
+__all__ = ["PipelineModel", "Residual", "batch", "block_factory", "build_blocks", "stage_module"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class PipelineModel:
     stages: int = 4
     batch: int = 64
     microbatches: int = 8
-    lr: float = 0.05
+    lr: float = 0.1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,11 +63,21 @@ class Residual(nn.Module):
         return x + nn.functional.gelu(self.linear(x))
 
 
+def block_factory(model: PipelineModel, index: int) -> nn.Module:
+    """Block ``index`` (built fresh: the caller seeds it)."""
+    if index < model.depth - 1:
+        return Residual(model.width)
+    return nn.Linear(model.width, model.width)
+
+
 def build_blocks(model: PipelineModel) -> list[nn.Module]:
-    """The model's blocks, from ``model.seed``: residual MLP blocks, the last a plain Linear."""
-    torch.manual_seed(model.seed)
-    blocks: list[nn.Module] = [Residual(model.width) for _ in range(model.depth - 1)]
-    return [*blocks, nn.Linear(model.width, model.width)]
+    """The model's blocks: residual MLP blocks, the last a plain Linear; block ``i`` is
+    built under seed ``model.seed + i`` (as :class:`p2ptrain.swarm.PipelineModel` does)."""
+    blocks = []
+    for i in range(model.depth):
+        torch.manual_seed(model.seed + i)
+        blocks.append(block_factory(model, i))
+    return blocks
 
 
 def stage_module(model: PipelineModel, stage: int) -> nn.Sequential:

@@ -65,6 +65,7 @@ __all__ = [
     "RebalanceConfig",
     "Rebalancer",
     "decide",
+    "newcomer_stage",
     "pipeline_throughput",
     "plan_moves",
     "stage_capacity",
@@ -200,6 +201,17 @@ def keepers(loads: Sequence[PeerLoad]) -> dict[int, str]:
         if load.stage not in found or load.peer < found[load.stage]:
             found[load.stage] = load.peer
     return found
+
+
+def newcomer_stage(loads: Sequence[PeerLoad], stages: int) -> int:
+    """The stage a peer that joins should serve: the one with the least summed
+    capacity (an unserved stage first; ties: fewer peers, then the lower index)."""
+    totals = stage_capacity(loads, stages)
+    counts = [0] * stages
+    for load in loads:
+        if load.stage < stages:
+            counts[load.stage] += 1
+    return min(range(stages), key=lambda s: (counts[s] > 0, totals[s], counts[s], s))
 
 
 def _predicted(
