@@ -45,7 +45,10 @@ translated at the I/O edge and chained with ``raise ... from``.
         ├── StateSyncError               no peer provided a usable state
         ├── CheckpointError              a checkpoint cannot be written or read
         ├── RunMismatchError             this peer's model is not its run's
-        └── TrainingStoppedError         a step reached the trainer's stop time
+        ├── TrainingStoppedError         a step reached the trainer's stop time
+        └── PipelineError                pipeline (SWARM) training could not do its job
+            ├── StageUnavailableError    no live peer serves a stage right now
+            └── MemoryBudgetError        a stage does not fit this peer's memory budget
 """
 
 from __future__ import annotations
@@ -70,12 +73,14 @@ __all__ = [
     "LocalProtocolError",
     "LookupFailedError",
     "MatchmakingError",
+    "MemoryBudgetError",
     "MethodNotFoundError",
     "MissingDependencyError",
     "NATTraversalError",
     "P2PTrainError",
     "PeerDroppedError",
     "PermissionDeniedError",
+    "PipelineError",
     "ProtocolError",
     "RPCCancelledError",
     "RPCError",
@@ -84,6 +89,7 @@ __all__ = [
     "RemoteProtocolError",
     "ResourceExhaustedError",
     "RunMismatchError",
+    "StageUnavailableError",
     "StateSyncError",
     "StreamEndedError",
     "TensorFormatError",
@@ -323,3 +329,15 @@ class RunMismatchError(TrainingError):
 
 class TrainingStoppedError(TrainingError):
     """A step still waited for the swarm at the trainer's stop time; it was not applied."""
+
+
+class PipelineError(TrainingError):
+    """Pipeline (SWARM) training could not do its job."""
+
+
+class StageUnavailableError(PipelineError):
+    """No live peer serves a stage right now (the pipeline pauses until one does)."""
+
+
+class MemoryBudgetError(PipelineError):
+    """A stage's parameters and optimizer state do not fit this peer's memory budget."""

@@ -31,6 +31,9 @@ from p2ptrain.secure.identity import Identity
 from p2ptrain.secure.swarm_key import generate_swarm_key, read_swarm_key, write_swarm_key
 
 if TYPE_CHECKING:
+    import threading
+    from collections.abc import Callable
+
     from p2ptrain.nat.config import NATConfig, RelayLimits
 
 __all__ = ["main"]
@@ -253,6 +256,27 @@ def _add_train_parser(commands: _Commands) -> None:
     _add_step_flags(train)
     _add_run_flags(train)
     _add_train_nat_flags(train)
+    _add_pipeline_flags(train)
+
+
+def _add_pipeline_flags(train: argparse.ArgumentParser) -> None:
+    """``p2ptrain train --pipeline``: SWARM pipeline training (docs/pipeline.md)."""
+    group = train.add_argument_group("pipeline (a model larger than one peer)")
+    group.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="serve one stage of a pipeline run and train through it (the task declares blocks)",
+    )
+    group.add_argument("--stage", type=int, help="stage to serve (default: the least served)")
+    group.add_argument(
+        "--memory-budget-mb", type=float, help="cap on a stage's parameters + optimizer state"
+    )
+    group.add_argument(
+        "--compute-floor", type=float, default=0.0, help="emulated device: seconds per micro-batch"
+    )
+    group.add_argument(
+        "--in-flight", type=int, default=2, help="micro-batches kept in the pipeline (2)"
+    )
 
 
 def _add_step_flags(train: argparse.ArgumentParser) -> None:
@@ -568,6 +592,8 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"joined as {address}", file=sys.stderr, flush=True)
         began.set()
 
+    if args.pipeline:
+        return _run_pipeline_train(args, stop=stop, joined=joined)
     from p2ptrain.app.task import default_run_id  # noqa: PLC0415 - imports torch
     from p2ptrain.app.train import (  # noqa: PLC0415 - torch is slow
         TrainingSessionConfig,
@@ -622,6 +648,41 @@ def _run_train(args: argparse.Namespace) -> int:
         f"trained {summary.seconds:.0f} s: global step {summary.global_step}, "
         f"{summary.local_steps} local batches, {summary.samples_per_s:.1f} samples/s, "
         f"loss {summary.loss:.4f}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _run_pipeline_train(
+    args: argparse.Namespace, *, stop: threading.Event, joined: Callable[[str], None]
+) -> int:
+    """``p2ptrain train --pipeline`` (see :mod:`p2ptrain.app.pipeline`)."""
+    from p2ptrain.app.pipeline import (  # noqa: PLC0415 - imports torch
+        PipelinePeerConfig,
+        json_line_writer,
+        run_pipeline_peer,
+    )
+
+    config = PipelinePeerConfig(
+        initial_peers=_join_addresses(args),
+        run_id=args.run_id or "pipeline",
+        node=_node_config(args),
+        task=args.task,
+        stage=args.stage,
+        target_batch_size=args.target_batch_size,
+        batch_size=args.batch_size,
+        seconds=args.seconds,
+        memory_budget_mb=args.memory_budget_mb,
+        compute_floor_s=args.compute_floor,
+        in_flight=args.in_flight,
+        identity_path=args.identity,
+    )
+    log = json_line_writer(sys.stdout) if args.log_json == "-" else None
+    summary = run_pipeline_peer(config, display=sys.stderr, log=log, announce=joined, stop=stop)
+    print(
+        f"pipeline: stage {summary.stage}, {summary.stage_steps} stage steps,"
+        f" {summary.samples_delivered} samples delivered, {summary.retries} retries,"
+        f" loss {summary.loss}",
         file=sys.stderr,
     )
     return 0

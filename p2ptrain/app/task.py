@@ -52,7 +52,16 @@ import torch
 
 from p2ptrain.errors import ConfigError
 
-__all__ = ["CHARLM", "TrainingTask", "default_run_id", "load_task", "lr_schedule"]
+__all__ = [
+    "CHARLM",
+    "CHARLM_PIPELINE",
+    "PipelineTask",
+    "TrainingTask",
+    "default_run_id",
+    "load_pipeline_task",
+    "load_task",
+    "lr_schedule",
+]
 
 CHARLM = "p2ptrain.examples.charlm.task"
 """The default task: the character-level transformer of :mod:`p2ptrain.examples.charlm`
@@ -165,3 +174,59 @@ def _check(task: object, spec: str) -> None:
     for method in ("batch", "loss"):
         if not callable(getattr(task, method, None)):
             raise ConfigError(f"{owner} returned no .{method}() method")
+
+
+CHARLM_PIPELINE = "p2ptrain.examples.charlm.pipeline"
+"""The default pipeline task: charlm declared as blocks."""
+
+
+class PipelineTask(Protocol):
+    """A model as blocks, for ``p2ptrain train --pipeline`` (``make_pipeline_task()``).
+
+    No peer builds the whole model: each stage server builds only its
+    stage's blocks (see :class:`~p2ptrain.swarm.PipelineModel`).
+
+    Attributes:
+        blocks: One factory per block (a callable returning a torch module), in order.
+        num_stages: How many stages the blocks are cut into (evenly).
+    """
+
+    blocks: tuple[Callable[[], torch.nn.Module], ...]
+    num_stages: int
+
+    def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        """Each stage's optimizer over its parameters."""
+        ...
+
+    def batch(self, index: int, batch_size: int, *, shard: int, num_shards: int) -> Any:
+        """``(inputs, targets)``: stage 0's input and what the loss compares with."""
+        ...
+
+    def loss(self, output: torch.Tensor, targets: Any) -> torch.Tensor:
+        """The mean loss of the last stage's output (parameter-free)."""
+        ...
+
+
+def load_pipeline_task(spec: str | None = None) -> PipelineTask:
+    """Build the pipeline task of ``spec`` (a module defining ``make_pipeline_task()``).
+
+    Raises:
+        ConfigError: The module cannot be loaded, or lacks a member of :class:`PipelineTask`.
+    """
+    name = spec or CHARLM_PIPELINE
+    module = _import(name)
+    make = getattr(module, "make_pipeline_task", None)
+    if not callable(make):
+        raise ConfigError(f"task module {name!r} defines no make_pipeline_task() function")
+    task = make()
+    owner = f"make_pipeline_task() of {name!r}"
+    blocks = getattr(task, "blocks", None)
+    if not isinstance(blocks, tuple) or not blocks or not all(callable(b) for b in blocks):
+        raise ConfigError(f"{owner} returned no .blocks (a tuple of module factories)")
+    stages = getattr(task, "num_stages", None)
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= len(blocks):
+        raise ConfigError(f"{owner}: .num_stages must be an int in [1, {len(blocks)}]")
+    for method in ("make_optimizer", "batch", "loss"):
+        if not callable(getattr(task, method, None)):
+            raise ConfigError(f"{owner} returned no .{method}() method")
+    return task  # type: ignore[no-any-return]

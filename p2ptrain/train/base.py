@@ -337,6 +337,12 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         return self._step
 
     @property
+    def state_lock(self) -> threading.Lock:
+        """Held while the parameters change (a step, a downloaded state); code that
+        reads the parameters from another thread holds it to see them whole."""
+        return self._lock
+
+    @property
     def local_samples(self) -> int:
         """Samples accumulated toward the next step."""
         return self._samples

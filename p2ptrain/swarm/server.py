@@ -1,0 +1,603 @@
+"""StageServer: one peer serving one stage of a pipeline.
+
+Theory of operation. A server holds the modules of its stage and answers
+``swarm.forward`` / ``swarm.backward`` / ``swarm.release``
+(:mod:`p2ptrain.swarm.protocol`) on its peer's node:
+
+* **forward** runs the stage on the received activations in the compute
+  thread and keeps the input and the autograd graph ("held") until the
+  micro-batch's backward arrives or ``hold_timeout`` passes. Each trainer may
+  hold at most ``max_held_per_peer`` micro-batches here; one more is refused
+  with ``resource_exhausted`` (a :class:`~p2ptrain.errors.ResourceExhaustedError`
+  at the trainer), which retries elsewhere or later.
+* **backward** computes the gradients of the stage's parameters (and of its
+  input, sent back) with ``torch.autograd.grad``; if the stage stepped since
+  the forward, the forward is recomputed from the held input first. It then
+  *commits*: adds ``n × gradient`` to the server's accumulator and ``n`` to its
+  sample count, once, and only while ``commit_margin`` seconds of the call's
+  deadline remain (a trainer that gave up retries elsewhere; a late commit
+  would count the micro-batch twice).
+* every ``step_interval`` the accumulator is handed to the stage's
+  :class:`~p2ptrain.train.CollaborativeOptimizer` (run ``<run_id>-stage<i>``)
+  as one batch of ``n`` samples: that optimizer publishes the stage's
+  progress, and when the peers of the stage together reached
+  ``target_batch_size`` it averages their gradients, sample-weighted, with the
+  butterfly all-reduce and steps the stage's optimizer. It also serves the
+  stage's state and downloads it when this peer is behind (a joiner).
+* every ``announce_interval`` the server announces stage, measured
+  throughput (samples/s of its own compute) and queue (held micro-batches)
+  in the DHT (:mod:`p2ptrain.swarm.directory`).
+
+Bad requests (malformed or oversized tensors, a stage this peer does not
+serve, an unknown micro-batch) get a typed error; the server keeps serving.
+Compute runs in one worker thread, so the event loop stays free; the
+optimizer's state lock keeps a step from changing the parameters under a
+forward or backward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from p2ptrain.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    P2PTrainError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from p2ptrain.peer import Peer
+from p2ptrain.rpc.handlers import CallContext, Message
+from p2ptrain.secure.identity import PeerID
+from p2ptrain.swarm.config import StageServerConfig
+from p2ptrain.swarm.directory import announce, withdraw
+from p2ptrain.swarm.protocol import (
+    BACKWARD_METHOD,
+    FORWARD_METHOD,
+    RELEASE_METHOD,
+    StageRequest,
+    encode_for_wire,
+    parse_request,
+)
+from p2ptrain.swarm.stages import PipelineModel, check_budget, stage_memory_bytes
+from p2ptrain.train.config import TrainerConfig
+from p2ptrain.train.optimizer import CollaborativeOptimizer
+
+__all__ = ["OptimizerFactory", "StageServer", "StageServerStats"]
+
+logger = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+_RATE_SMOOTHING = 0.2
+
+
+@dataclass
+class StageServerStats:
+    """What a server did (read from any thread; figures only grow)."""
+
+    forwards: int = 0
+    backwards: int = 0
+    samples_committed: int = 0
+    refused_full: int = 0
+    refused_late: int = 0
+    bad_requests: int = 0
+    expired: int = 0
+    moves: int = 0
+    samples_dropped_on_move: int = 0
+    steps_by_stage: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Held:
+    state: _Stage
+    x: torch.Tensor
+    y: torch.Tensor
+    step: int
+    expires: float
+
+
+class _Stage:
+    """The modules, optimizer and accumulator of the stage a server serves now."""
+
+    def __init__(
+        self,
+        *,
+        peer: Peer,
+        model: PipelineModel,
+        stage: int,
+        make_optimizer: OptimizerFactory,
+        config: StageServerConfig,
+    ) -> None:
+        self.index = stage
+        self.module = model.build_stage(stage)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        optimizer = make_optimizer(self.module.parameters())
+        self.memory_bytes = stage_memory_bytes(self.module, optimizer)
+        check_budget(stage, self.memory_bytes, config.memory_budget_bytes)
+        self.sums = [torch.zeros_like(p) for p in self.params]
+        self.pending = 0
+        self.copt = CollaborativeOptimizer(
+            optimizer,
+            peer=peer,
+            config=TrainerConfig(
+                run_id=f"{config.run_id}-stage{stage}",
+                target_batch_size=config.target_batch_size,
+                sync_tolerance=config.sync_tolerance,
+                progress=config.progress,
+                state=config.state,
+            ),
+            model=self.module,
+        )
+
+
+class StageServer:
+    """Serves one stage of a pipeline run on a started :class:`~p2ptrain.peer.Peer`.
+
+    Use as a context manager or call :meth:`start` and :meth:`close` (from
+    ordinary threads, not the peer's loop). :meth:`move_to` runs on the loop.
+
+    Args:
+        peer: The started peer whose node serves the stage.
+        model: The model's blocks and stages.
+        stage: The stage to serve first.
+        make_optimizer: Builds the stage's optimizer from its parameters.
+        config: The run and the server's limits.
+
+    Raises:
+        MemoryBudgetError: (from :meth:`start`) the stage does not fit the budget.
+    """
+
+    def __init__(
+        self,
+        *,
+        peer: Peer,
+        model: PipelineModel,
+        stage: int,
+        make_optimizer: OptimizerFactory,
+        config: StageServerConfig,
+    ) -> None:
+        if not isinstance(config, StageServerConfig):
+            raise ConfigError("config must be a StageServerConfig")
+        self.peer = peer
+        self.model = model
+        self.config = config
+        self._first_stage = model.check_stage(stage)
+        self._make_optimizer = make_optimizer
+        self._state: _Stage | None = None
+        self._moving = False
+        self._held: dict[tuple[PeerID, bytes], _Held] = {}
+        self._held_per_peer: Counter[PeerID] = Counter()
+        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self._stepper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-step")
+        self._tasks: list[asyncio.Task[None]] = []
+        self._rate = 0.0
+        self._forward_s = 0.0
+        self.stats = StageServerStats()
+        self._closed = False
+        self.on_event: Callable[[str, int], None] | None = None
+        """Called on the peer's loop with (``forward_started`` | ``forward_done`` |
+        ``backward_done``, stage): for tests, demos and monitors."""
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Build the stage (checking the memory budget), join its run, serve and announce.
+
+        Raises:
+            MemoryBudgetError: The stage does not fit ``config.memory_budget_bytes``.
+        """
+        state = self._open(self._first_stage)
+        self._state = state
+        self.peer.run(self._astart(), timeout=30)
+        logger.info(
+            "serving stage %d of %s (%.2f MB of parameters and optimizer state)",
+            state.index,
+            self.config.run_id,
+            state.memory_bytes / 1e6,
+        )
+
+    def _open(self, stage: int) -> _Stage:
+        state = _Stage(
+            peer=self.peer,
+            model=self.model,
+            stage=stage,
+            make_optimizer=self._make_optimizer,
+            config=self.config,
+        )
+        state.copt.start()  # downloads the stage's state from a peer of it if behind
+        return state
+
+    async def _astart(self) -> None:
+        handlers = self.peer.node.handlers
+        handlers.add_unary(FORWARD_METHOD, self._forward)
+        handlers.add_unary(BACKWARD_METHOD, self._backward)
+        handlers.add_unary(RELEASE_METHOD, self._release)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._step_loop(), name="stage-step"),
+            loop.create_task(self._announce_loop(), name="stage-announce"),
+            loop.create_task(self._expire_loop(), name="stage-expire"),
+        ]
+
+    def close(self) -> None:
+        """Stop serving and leave the stage's run (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.peer.running:
+            with contextlib.suppress(TimeoutError, RuntimeError):
+                self.peer.run(self._aclose(), timeout=10)
+        state = self._state
+        if state is not None:
+            self._hand_over(state)
+            state.copt.close()
+        self._compute.shutdown(wait=True)
+        self._stepper.shutdown(wait=True)
+
+    async def _aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        handlers = self.peer.node.handlers
+        for method in (FORWARD_METHOD, BACKWARD_METHOD, RELEASE_METHOD):
+            handlers.remove(method)
+        state = self._state
+        if state is not None:
+            with contextlib.suppress(P2PTrainError):
+                await withdraw(
+                    self.peer.dht, self.config.run_id, state.index, ttl=self.config.announce_ttl
+                )
+        self._drop_held()
+
+    def __enter__(self) -> StageServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- what others read --------------------------------------------------------------
+
+    @property
+    def stage(self) -> int:
+        """The stage served now."""
+        return self._current().index
+
+    @property
+    def global_step(self) -> int:
+        """Steps the current stage's optimizer applied."""
+        return self._current().copt.global_step
+
+    @property
+    def samples_per_s(self) -> float:
+        """Measured compute throughput (forward plus backward), samples per second."""
+        return self._rate
+
+    @property
+    def queue_length(self) -> int:
+        """Micro-batches held (forward done, backward pending)."""
+        return len(self._held)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the current stage's parameters, accumulators and optimizer state."""
+        return self._current().memory_bytes
+
+    @property
+    def optimizer(self) -> CollaborativeOptimizer:
+        """The current stage's collaborative optimizer."""
+        return self._current().copt
+
+    @property
+    def module(self) -> nn.Module:
+        """The current stage's modules."""
+        return self._current().module
+
+    def _current(self) -> _Stage:
+        if self._state is None:
+            raise RuntimeError("the stage server is not started")
+        return self._state
+
+    # -- moving ------------------------------------------------------------------------
+
+    async def move_to(self, stage: int, *, drain_timeout: float = 30.0) -> None:
+        """Leave the current stage for ``stage`` (call on the peer's loop).
+
+        The new stage is built and checked against the budget first (a stage
+        that does not fit raises :class:`~p2ptrain.errors.MemoryBudgetError`
+        and the server stays where it is). Then the server stops taking
+        micro-batches, drops those it holds (their trainers redo them on
+        another peer), withdraws its announcement, hands its committed
+        gradients to the old stage's optimizer and waits up to
+        ``drain_timeout`` seconds for that stage's next step (so committed
+        samples count; past it they are dropped and counted in
+        ``stats.samples_dropped_on_move``), leaves the old stage's run,
+        joins the new one (downloading its state from a peer of it when the
+        stage has stepped) and announces it.
+        """
+        stage = self.model.check_stage(stage)
+        old = self._current()
+        if stage == old.index or self._moving:
+            return
+        loop = asyncio.get_running_loop()
+        self._moving = True
+        try:
+            self._drop_held()
+            with contextlib.suppress(P2PTrainError):
+                await withdraw(
+                    self.peer.dht, self.config.run_id, old.index, ttl=self.config.announce_ttl
+                )
+            await loop.run_in_executor(self._compute, lambda: None)  # in-flight compute is done
+            await loop.run_in_executor(self._stepper, self._drain, old, drain_timeout)
+            new = await loop.run_in_executor(self._stepper, self._open, stage)
+            self._state = new
+            self.stats.moves += 1
+            await self._announce()
+            logger.info("moved from stage %d to stage %d", old.index, new.index)
+        finally:
+            self._moving = False
+
+    def _drain(self, state: _Stage, timeout: float) -> None:
+        """Hand the committed gradients over and wait for the stage's next step, then leave."""
+        start_step = state.copt.global_step
+        owed = state.pending + state.copt.local_samples
+        deadline = time.monotonic() + timeout
+        self._hand_over(state)
+        while owed and state.copt.global_step == start_step and time.monotonic() < deadline:
+            state.copt.step(batch_size=0)
+            if state.copt.global_step == start_step:
+                time.sleep(self.config.step_interval)  # polls the stage's progress
+        if owed and state.copt.global_step == start_step:
+            self.stats.samples_dropped_on_move += state.copt.local_samples
+            logger.warning(
+                "left stage %d before its step: %d samples dropped",
+                state.index,
+                state.copt.local_samples,
+            )
+        state.copt.close()
+
+    # -- background loops --------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.step_interval)
+            state = self._state
+            if state is None or self._moving:
+                continue
+            try:
+                await loop.run_in_executor(self._stepper, self._hand_over, state)
+            except Exception:
+                logger.exception("stage %d: handing gradients to the optimizer failed", state.index)
+
+    def _hand_over(self, state: _Stage) -> None:
+        """Give the accumulated gradients to the stage's optimizer as one batch (stepper thread)."""
+        with state.copt.state_lock:
+            samples, state.pending = state.pending, 0
+            for p, total in zip(state.params, state.sums, strict=True):
+                p.grad = total / samples if samples else None
+                total.zero_()
+        before = state.copt.global_step
+        state.copt.step(batch_size=samples)
+        if state.copt.global_step != before:
+            steps = self.stats.steps_by_stage
+            steps[state.index] = steps.get(state.index, 0) + 1
+
+    async def _announce_loop(self) -> None:
+        while True:
+            await self._announce()
+            await asyncio.sleep(self.config.announce_interval)
+
+    async def _announce(self) -> None:
+        state = self._state
+        if state is None or self._moving:
+            return
+        try:
+            await announce(
+                self.peer.dht,
+                self.config.run_id,
+                state.index,
+                address=self.peer.address,
+                samples_per_s=self._rate,
+                queue=len(self._held),
+                step=state.copt.global_step,
+                ttl=self.config.announce_ttl,
+            )
+        except P2PTrainError as exc:
+            logger.warning("could not announce stage %d: %s", state.index, exc)
+
+    async def _expire_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.config.hold_timeout / 4))
+            now = loop.time()
+            for key, held in list(self._held.items()):
+                if held.expires <= now:
+                    self._forget(key)
+                    self.stats.expired += 1
+
+    def _forget(self, key: tuple[PeerID, bytes]) -> _Held | None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._held_per_peer[key[0]] -= 1
+            if self._held_per_peer[key[0]] <= 0:
+                del self._held_per_peer[key[0]]
+        return held
+
+    def _drop_held(self) -> None:
+        self._held.clear()
+        self._held_per_peer.clear()
+
+    # -- handlers ----------------------------------------------------------------------
+
+    def _emit(self, event: str, stage: int) -> None:
+        if self.on_event is not None:
+            self.on_event(event, stage)
+
+    def _parse(self, message: Message, tensor_key: str | None) -> tuple[StageRequest, _Stage]:
+        try:
+            request = parse_request(
+                message.body,
+                message.payload,
+                tensor_key=tensor_key,
+                max_bytes=self.config.max_tensor_bytes,
+            )
+        except P2PTrainError:
+            self.stats.bad_requests += 1
+            raise
+        state = self._state
+        if request.run != self.config.run_id:
+            self.stats.bad_requests += 1
+            raise InvalidArgumentError(
+                f"this peer serves run {self.config.run_id!r}, not {request.run!r}"
+            )
+        if state is None or self._moving or self._closed:
+            raise UnavailableError("this peer is moving between stages")
+        if request.stage != state.index:
+            raise UnavailableError(f"this peer serves stage {state.index}, not {request.stage}")
+        return request, state
+
+    async def _forward(self, ctx: CallContext, message: Message) -> Message:
+        request, state = self._parse(message, "x")
+        key = (ctx.peer, request.mb)
+        if key in self._held:
+            self._forget(key)  # a retried forward replaces the old state
+        if self._held_per_peer[ctx.peer] >= self.config.max_held_per_peer:
+            self.stats.refused_full += 1
+            raise ResourceExhaustedError(
+                f"stage {state.index} already holds {self.config.max_held_per_peer} of your"
+                " micro-batches (the cap); send their backward first"
+            )
+        self._held_per_peer[ctx.peer] += 1  # reserved while computing
+        self._emit("forward_started", state.index)
+        loop = asyncio.get_running_loop()
+        stored = False
+        try:
+            assert request.tensor is not None
+            x, y, step = await loop.run_in_executor(
+                self._compute, self._forward_job, state, request.tensor
+            )
+            if self._state is not state or self._moving:
+                raise UnavailableError("this peer moved to another stage")
+            expires = loop.time() + self.config.hold_timeout
+            self._held[key] = _Held(state, x, y, step, expires)
+            stored = True
+        finally:
+            if not stored:
+                self._held_per_peer[ctx.peer] -= 1
+                if self._held_per_peer[ctx.peer] <= 0:
+                    del self._held_per_peer[ctx.peer]
+        self.stats.forwards += 1
+        self._emit("forward_done", state.index)
+        header, view = encode_for_wire(y, self.config.wire_dtype)
+        return Message({"y": header}, view)
+
+    def _forward_job(
+        self, state: _Stage, tensor: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        started = time.perf_counter()
+        x = tensor.detach()
+        if x.is_floating_point():
+            x.requires_grad_(True)
+        with state.copt.state_lock, torch.enable_grad():
+            y = state.module(x)
+            step = state.copt.global_step
+        self._floor(started)
+        elapsed = time.perf_counter() - started
+        self._forward_s = (
+            elapsed
+            if self._forward_s == 0
+            else (self._forward_s + _RATE_SMOOTHING * (elapsed - self._forward_s))
+        )
+        return x, y, step
+
+    def _floor(self, started: float) -> None:
+        """Emulate a slower device: hold the compute thread until ``min_compute_s`` passed."""
+        rest = self.config.min_compute_s - (time.perf_counter() - started)
+        if rest > 0:
+            time.sleep(rest)
+
+    async def _backward(self, ctx: CallContext, message: Message) -> Message:
+        request, state = self._parse(message, "g")
+        held = self._forget((ctx.peer, request.mb))
+        if held is None or held.state is not state:
+            raise InvalidArgumentError(
+                f"stage {state.index} holds no forward of this micro-batch"
+                " (expired, released, or never sent): send its forward again"
+            )
+        loop = asyncio.get_running_loop()
+        commit_by = math.inf
+        if ctx.deadline is not None:
+            commit_by = time.monotonic() + (ctx.deadline - loop.time()) - self.config.commit_margin
+        assert request.tensor is not None
+        grad_x = await loop.run_in_executor(
+            self._compute, self._backward_job, held, request.tensor, request.samples, commit_by
+        )
+        self.stats.backwards += 1
+        self._emit("backward_done", state.index)
+        if grad_x is None:
+            return Message({"g": None})
+        header, view = encode_for_wire(grad_x, self.config.wire_dtype)
+        return Message({"g": header}, view)
+
+    def _backward_job(
+        self, held: _Held, grad_y: torch.Tensor, samples: int, commit_by: float
+    ) -> torch.Tensor | None:
+        state = held.state
+        started = time.perf_counter()
+        with state.copt.state_lock, torch.enable_grad():
+            x, y = held.x, held.y
+            if held.step != state.copt.global_step:  # the stage stepped: recompute the forward
+                x = x.detach()
+                if x.is_floating_point():
+                    x.requires_grad_(True)
+                y = state.module(x)
+            if grad_y.shape != y.shape:
+                raise InvalidArgumentError(
+                    f"the gradient has shape {tuple(grad_y.shape)}, the output {tuple(y.shape)}"
+                )
+            wants_x = x.requires_grad
+            inputs = [x, *state.params] if wants_x else list(state.params)
+            grads = torch.autograd.grad(y, inputs, grad_y.to(y.dtype), allow_unused=True)
+        self._floor(started)
+        if time.monotonic() > commit_by:
+            self.stats.refused_late += 1
+            raise DeadlineExceededError(
+                "the backward finished too close to its deadline; not counted"
+            )
+        param_grads = grads[1:] if wants_x else grads
+        with state.copt.state_lock:
+            for total, grad in zip(state.sums, param_grads, strict=True):
+                if grad is not None:
+                    total.add_(grad, alpha=samples)
+            state.pending += samples
+        self.stats.samples_committed += samples
+        elapsed = time.perf_counter() - started
+        self._observe_rate(samples, elapsed)
+        return grads[0].detach() if wants_x else None
+
+    def _observe_rate(self, samples: int, backward_s: float) -> None:
+        seconds = max(backward_s + self._forward_s, 1e-6)
+        rate = samples / seconds
+        self._rate = rate if self._rate == 0 else self._rate + _RATE_SMOOTHING * (rate - self._rate)
+
+    async def _release(self, ctx: CallContext, message: Message) -> Message:
+        try:
+            request = parse_request(message.body, message.payload, tensor_key=None, max_bytes=0)
+        except P2PTrainError:
+            self.stats.bad_requests += 1
+            raise
+        self._forget((ctx.peer, request.mb))
+        return Message({})

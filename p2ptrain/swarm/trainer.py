@@ -1,0 +1,325 @@
+"""PipelineTrainer: pushes micro-batches through a chain of stage peers, forward and back.
+
+Where the model lives: **every block lives in the stage servers; the trainer
+holds no parameters**, only the loss function (a parameter-free function of
+the last stage's output and the batch's targets). So the embedding and the
+head are averaged, moved and capped by the memory budget like any other
+block; a trainer can run on a peer with no memory to spare (it only keeps
+activations); and no trainer-side state needs its own averaging. The price is
+that stage 0 receives the raw inputs (token ids: small) and the last stage
+sends back its full output (logits), which the trainer needs for the loss.
+
+One micro-batch::
+
+    x_0 = inputs
+    for s in 0..S-1:  x_{s+1} = forward on a peer p_s of stage s (wiring rule)
+    loss, g_S = loss(x_S, targets) and its gradient
+    for s in S-1..0:  g_s = backward on p_s with g_{s+1}
+
+The trainer keeps every ``x_s`` until the backward through stage ``s`` is
+done. A peer that dies, stalls (no reply within ``call_timeout``) or refuses
+(its cap is full, it moved, it lost the micro-batch) costs a retry: a forward
+is sent to another peer of the stage; a failed backward re-sends the stage's
+forward ``x_s`` to another peer and then the backward. Each stage adds a
+micro-batch's gradient and samples once (see the commit rule in
+:mod:`p2ptrain.swarm.server`); the trainer counts the micro-batch's samples
+as delivered once, when the backward through stage 0 is done. A stage with no
+live peer pauses the micro-batch with a status line (logged, and in
+:meth:`PipelineTrainer.status`) until a peer serves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from p2ptrain.errors import (
+    ConfigError,
+    P2PTrainError,
+    RemoteProtocolError,
+    StageUnavailableError,
+)
+from p2ptrain.peer import Peer
+from p2ptrain.rpc.handlers import Message
+from p2ptrain.swarm.config import PipelineTrainerConfig
+from p2ptrain.swarm.directory import read_stage_or_empty
+from p2ptrain.swarm.protocol import (
+    BACKWARD_METHOD,
+    FORWARD_METHOD,
+    MB_ID_BYTES,
+    RELEASE_METHOD,
+    decode_limited,
+    encode_for_wire,
+    request_body,
+)
+from p2ptrain.swarm.wiring import Candidate, LinkStats, choose_peer
+
+__all__ = ["LossFunction", "PipelineTrainer", "PipelineTrainerStats"]
+
+logger = logging.getLogger(__name__)
+
+LossFunction = Callable[[torch.Tensor, Any], torch.Tensor]
+"""``loss(output_of_last_stage, targets) -> scalar``: a mean over the micro-batch."""
+
+
+@dataclass
+class PipelineTrainerStats:
+    """What a trainer did."""
+
+    micro_batches: int = 0
+    samples_delivered: int = 0
+    retries: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    paused_s: float = 0.0
+    last_loss: float | None = None
+
+    def failed(self, reason: str) -> None:
+        """Count one failed call by reason (the error's class name)."""
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+
+
+class PipelineTrainer:
+    """Trains through the stage servers of a pipeline run.
+
+    Args:
+        peer: The started peer to call from (it need not serve a stage).
+        config: The run, its number of stages, timeouts and wiring jitter.
+        loss: The loss of the last stage's output against the targets.
+        seed: Seed of the wiring's randomization (default: from the OS).
+    """
+
+    def __init__(
+        self,
+        *,
+        peer: Peer,
+        config: PipelineTrainerConfig,
+        loss: LossFunction,
+        seed: int | None = None,
+    ) -> None:
+        if not isinstance(config, PipelineTrainerConfig):
+            raise ConfigError("config must be a PipelineTrainerConfig")
+        if not callable(loss):
+            raise ConfigError("loss must be callable")
+        self.peer = peer
+        self.config = config
+        self.loss = loss
+        self.stats = PipelineTrainerStats()
+        self._rng = random.Random(seed)
+        self._links: dict[str, LinkStats] = {}
+        self._candidates: dict[int, tuple[float, list[Candidate]]] = {}
+        self._waiting: dict[int, float] = {}
+
+    # -- the synchronous facade --------------------------------------------------------
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: Any,
+        *,
+        samples: int | None = None,
+        timeout: float | None = None,
+    ) -> float:
+        """:meth:`train_micro_batch` from an ordinary thread; returns the loss."""
+        return self.peer.run(
+            self.train_micro_batch(inputs, targets, samples=samples), timeout=timeout
+        )
+
+    # -- one micro-batch ---------------------------------------------------------------
+
+    async def train_micro_batch(
+        self, inputs: torch.Tensor, targets: Any, *, samples: int | None = None
+    ) -> float:
+        """Push one micro-batch forward and backward through every stage.
+
+        Args:
+            inputs: Stage 0's input; its first dimension counts the samples.
+            targets: Whatever ``loss`` needs besides the output.
+            samples: The micro-batch's sample count (default ``len(inputs)``).
+
+        Returns:
+            The micro-batch's loss.
+
+        Raises:
+            StageUnavailableError: A stage had no live peer for ``stage_wait`` seconds.
+        """
+        n = int(samples if samples is not None else inputs.shape[0])
+        mb = os.urandom(MB_ID_BYTES)
+        stages = self.config.num_stages
+        xs: list[torch.Tensor] = [inputs]
+        chain: list[str] = []
+        for stage in range(stages):
+            output, address = await self._forward(stage, mb, xs[stage], n)
+            chain.append(address)
+            xs.append(output)
+        loss_value, grad = await asyncio.to_thread(self._loss_and_grad, xs[stages], targets)
+        for stage in reversed(range(stages)):
+            grad = await self._backward(stage, mb, xs[stage], grad, chain, n)
+        self.stats.micro_batches += 1
+        self.stats.samples_delivered += n
+        self.stats.last_loss = loss_value
+        return loss_value
+
+    def _loss_and_grad(self, output: torch.Tensor, targets: Any) -> tuple[float, torch.Tensor]:
+        out = output.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss = self.loss(out, targets)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ConfigError("the pipeline's loss must return a scalar tensor")
+            (grad,) = torch.autograd.grad(loss, [out])
+        return float(loss.detach()), grad
+
+    async def _forward(
+        self, stage: int, mb: bytes, x: torch.Tensor, samples: int
+    ) -> tuple[torch.Tensor, str]:
+        header, view = encode_for_wire(x, self.config.wire_dtype)
+        body = request_body(self.config.run_id, stage, mb, x=header)
+        while True:
+            address = await self._choose(stage, samples)
+            try:
+                reply = await self._call(address, FORWARD_METHOD, body, view)
+                output = decode_limited(
+                    _field(reply, "y"), reply.payload, max_bytes=self.config.max_tensor_bytes
+                )
+            except (P2PTrainError, TimeoutError) as exc:
+                self._failed(stage, address, "forward", exc)
+                continue
+            return output, address
+
+    async def _backward(  # noqa: PLR0917 - private, one call site
+        self,
+        stage: int,
+        mb: bytes,
+        x: torch.Tensor,
+        grad: torch.Tensor,
+        chain: list[str],
+        samples: int,
+    ) -> torch.Tensor:
+        header, view = encode_for_wire(grad, self.config.wire_dtype)
+        body = request_body(self.config.run_id, stage, mb, g=header, n=samples)
+        while True:
+            address = chain[stage]
+            try:
+                reply = await self._call(address, BACKWARD_METHOD, body, view)
+                found = _field(reply, "g")
+                if found is None:
+                    return torch.empty(0)
+                return decode_limited(found, reply.payload, max_bytes=self.config.max_tensor_bytes)
+            except (P2PTrainError, TimeoutError) as exc:
+                self._failed(stage, address, "backward", exc)
+            # The peer lost the micro-batch (or died): redo the stage's forward elsewhere.
+            _, chain[stage] = await self._forward(stage, mb, x, samples)
+
+    async def _call(self, address: str, method: str, body: Any, payload: Any) -> Message:
+        link = self._links.setdefault(address, LinkStats())
+        link.in_flight += 1
+        started = time.monotonic()
+        try:
+            reply = await self.peer.node.call(
+                address, method, body, payload, timeout=self.config.call_timeout
+            )
+        finally:
+            link.in_flight -= 1
+        link.observe(time.monotonic() - started, self.config.latency_smoothing)
+        return reply
+
+    def _failed(self, stage: int, address: str, what: str, exc: BaseException) -> None:
+        reason = type(exc).__name__
+        self.stats.retries += 1
+        self.stats.failed(reason)
+        link = self._links.setdefault(address, LinkStats())
+        link.failures += 1
+        link.avoid_until = time.monotonic() + self.config.avoid_s
+        logger.info(
+            "stage %d %s on %s failed (%s: %s); retrying", stage, what, address[:16], reason, exc
+        )
+
+    async def release(self, stage: int, mb: bytes, address: str) -> None:
+        """Tell a stage peer to drop a held micro-batch (best effort)."""
+        body = request_body(self.config.run_id, stage, mb)
+        try:
+            await self.peer.node.call(
+                address, RELEASE_METHOD, body, timeout=self.config.call_timeout
+            )
+        except (P2PTrainError, TimeoutError) as exc:
+            logger.debug("release on %s failed: %s", address[:16], exc)
+
+    # -- wiring ------------------------------------------------------------------------
+
+    async def _choose(self, stage: int, samples: int) -> str:
+        """A peer of ``stage`` by the wiring rule; waits (pausing) while the stage has none."""
+        waited_since: float | None = None
+        while True:
+            now = time.monotonic()
+            candidates = await self._stage_candidates(stage, force=waited_since is not None)
+            chosen = choose_peer(
+                candidates,
+                self._links,
+                samples=samples,
+                now=now,
+                rng=self._rng,
+                jitter=self.config.jitter,
+            )
+            if chosen is not None:
+                link = self._links.get(chosen.address)
+                if link is not None and link.avoid_until > now:
+                    # every peer of the stage failed lately: retry, but not in a hot loop
+                    await asyncio.sleep(self.config.retry_interval)
+                if waited_since is not None:
+                    paused = time.monotonic() - waited_since
+                    self.stats.paused_s += paused
+                    self._waiting.pop(stage, None)
+                    logger.warning("stage %d is served again after %.1f s", stage, paused)
+                return chosen.address
+            if waited_since is None:
+                waited_since = now
+                self._waiting[stage] = now
+                logger.warning(
+                    "stage %d of %s has no live peer: training pauses until one serves it",
+                    stage,
+                    self.config.run_id,
+                )
+            limit = self.config.stage_wait
+            if limit is not None and now - waited_since > limit:
+                self._waiting.pop(stage, None)
+                raise StageUnavailableError(
+                    f"stage {stage} of {self.config.run_id} had no live peer for {limit:g} s"
+                )
+            await asyncio.sleep(self.config.retry_interval)
+
+    async def _stage_candidates(self, stage: int, *, force: bool) -> list[Candidate]:
+        now = time.monotonic()
+        cached = self._candidates.get(stage)
+        if cached is not None and not force and now - cached[0] < self.config.refresh_interval:
+            return cached[1]
+        found = await read_stage_or_empty(self.peer.dht, self.config.run_id, stage)
+        candidates = [a.candidate() for a in found]
+        self._candidates[stage] = (now, candidates)
+        return candidates
+
+    def status(self) -> str:
+        """A one-line status: stages without a peer, micro-batches, samples, retries."""
+        paused = ", ".join(
+            f"stage {s} has no live peer ({time.monotonic() - t:.0f} s)"
+            for s, t in sorted(self._waiting.items())
+        )
+        stats = self.stats
+        line = (
+            f"{stats.micro_batches} micro-batches, {stats.samples_delivered} samples,"
+            f" {stats.retries} retries"
+        )
+        return f"PAUSED: {paused}; {line}" if paused else line
+
+
+def _field(reply: Message, key: str) -> Any:
+    body = reply.body
+    if not isinstance(body, dict) or key not in body:
+        raise RemoteProtocolError(f"a stage peer's reply has no {key!r}")
+    return body[key]

@@ -1,0 +1,114 @@
+"""Stochastic wiring: which peer of a stage gets the next micro-batch (pure logic).
+
+The rule: **earliest expected completion, with jitter.** For each live peer
+``i`` of the stage the trainer estimates when a micro-batch sent now would be
+done::
+
+    T_i = (q_i + f_i) * s_i + l_i
+
+where ``q_i`` is the queue the peer announced (micro-batches it holds),
+``f_i`` the trainer's own calls to it still in flight, ``s_i = b / r_i`` the
+service time of a ``b``-sample micro-batch at the peer's announced rate
+``r_i`` (samples/s), and ``l_i`` the trainer's moving average of its measured
+call latency to that peer (compute plus network; ``s_i`` before any call).
+Each ``T_i`` is multiplied by a factor drawn from ``[1, 1 + jitter]`` and the
+smallest wins. Peers that just failed a call are left out for a while.
+
+Why it serves peers in proportion to speed: a peer receives work while its
+``T_i`` is the smallest, and each micro-batch it receives raises its ``T_i``
+by ``s_i = b / r_i``. In steady state the backlogs settle where the ``T_i``
+are equal, so ``(q_i + f_i) / r_i`` is the same for every peer: each peer's
+backlog, and hence the rate at which it is handed micro-batches (its backlog
+drains at ``r_i``), is proportional to its speed. A peer twice as fast holds
+twice the backlog and serves twice the samples. The jitter spreads ties and
+keeps probing peers whose figures are stale, so a peer that sped up (or a
+newcomer with no measurements) gets work and gets measured.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Candidate", "LinkStats", "choose_peer", "expected_completion"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A live peer of a stage, as its announcement describes it.
+
+    Attributes:
+        address: ``peerid@host:port``.
+        samples_per_s: Its measured throughput (0: not measured yet).
+        queue: Micro-batches it holds (forward done, backward pending).
+    """
+
+    address: str
+    samples_per_s: float
+    queue: int
+
+
+@dataclass
+class LinkStats:
+    """What one trainer measured of one stage peer."""
+
+    latency_s: float | None = None
+    in_flight: int = 0
+    avoid_until: float = 0.0
+    calls: int = 0
+    failures: int = 0
+    history: list[float] = field(default_factory=list)
+
+    def observe(self, seconds: float, smoothing: float) -> None:
+        """Fold a completed call's latency into the moving average."""
+        self.calls += 1
+        if self.latency_s is None:
+            self.latency_s = seconds
+        else:
+            self.latency_s += smoothing * (seconds - self.latency_s)
+
+
+def expected_completion(candidate: Candidate, stats: LinkStats | None, samples: int) -> float:
+    """``T_i`` of the module docstring, in seconds."""
+    stats = stats or LinkStats()
+    rate = candidate.samples_per_s
+    latency = stats.latency_s
+    if rate > 0:
+        service = max(samples, 1) / rate
+    elif latency is not None:
+        service = latency
+    else:
+        service = 0.0  # unmeasured: try it (the jitter spreads the newcomers)
+    backlog = max(candidate.queue, 0) + stats.in_flight
+    return backlog * service + (latency if latency is not None else service)
+
+
+def choose_peer(
+    candidates: Sequence[Candidate],
+    stats: dict[str, LinkStats],
+    *,
+    samples: int,
+    now: float,
+    rng: random.Random,
+    jitter: float,
+    exclude: frozenset[str] = frozenset(),
+) -> Candidate | None:
+    """The candidate with the earliest jittered expected completion, or None if none is usable.
+
+    Candidates in ``exclude`` or avoided until after ``now`` are skipped; if
+    that leaves none, avoided peers (never excluded ones) are used again.
+    """
+    usable = [c for c in candidates if c.address not in exclude]
+    fresh = [c for c in usable if stats.get(c.address, LinkStats()).avoid_until <= now]
+    pool = fresh or usable
+    if not pool:
+        return None
+    best: Candidate | None = None
+    best_time = 0.0
+    for candidate in pool:
+        when = expected_completion(candidate, stats.get(candidate.address), samples)
+        when = (when + 1e-6) * (1.0 + jitter * rng.random())
+        if best is None or when < best_time:
+            best, best_time = candidate, when
+    return best
