@@ -55,7 +55,7 @@ def _start(model: PipelineModel, steps: int, schedule: str) -> list[JsonChild]:
                 *model.args(),
             ],
             root=ROOT,
-            stderr=open(os.devnull, "wb"),  # noqa: SIM115 - the child owns it
+            stderr=open(os.devnull, "wb"),
         )
         for rank in range(model.stages)
     ]
@@ -81,7 +81,7 @@ def torch_pipeline(
 
 
 def torch_kill(model: PipelineModel, *, victim: int, after_steps: int, bound_s: float) -> str:
-    """Kill stage ``victim``'s process after ``after_steps`` steps; what happened within ``bound_s``.
+    """Kill stage ``victim``'s process after ``after_steps`` steps; what then happens.
 
     Returns one word: ``continued`` (steps still completed after the kill),
     ``crashed`` (every other process exited, with an error, without another

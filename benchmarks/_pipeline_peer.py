@@ -50,9 +50,7 @@ from p2ptrain.swarm.rebalance import PeerLoad, RebalanceConfig, Rebalancer
 
 def swarm_model(model: PipelineModel) -> SwarmModel:
     """The benchmark's model as the pipeline library takes it (same blocks, same seeds)."""
-    factories = tuple(
-        (lambda i=i: block_factory(model, i)) for i in range(model.depth)
-    )
+    factories = tuple((lambda i=i: block_factory(model, i)) for i in range(model.depth))
     return SwarmModel(factories, even_bounds(model.depth, model.stages), seed=model.seed)
 
 
@@ -83,8 +81,11 @@ def _peer(join: str | None) -> Peer:
 
 async def _loads(peer: Peer, run: str, stages: int) -> list[PeerLoad]:
     found = await asyncio.gather(*(read_stage(peer.dht, run, s) for s in range(stages)))
-    by_peer = {str(a.peer_id): PeerLoad(str(a.peer_id), a.stage, a.samples_per_s, a.queue)
-               for entries in found for a in entries}
+    by_peer = {
+        str(a.peer_id): PeerLoad(str(a.peer_id), a.stage, a.samples_per_s, a.queue)
+        for entries in found
+        for a in entries
+    }
     return list(by_peer.values())
 
 
@@ -136,16 +137,22 @@ async def _steps_reached(peer: Peer, run: str, stages: int, step: int, timeout: 
     raise TimeoutError(f"the stages did not all reach step {step}")
 
 
-async def _train(args: argparse.Namespace, model: PipelineModel, trainer: PipelineTrainer,
-                 peer: Peer) -> None:
+async def _train(
+    args: argparse.Namespace, model: PipelineModel, trainer: PipelineTrainer, peer: Peer
+) -> None:
     per = model.batch // model.microbatches
 
     async def micro(step: int, index: int) -> None:
         x, y = batch(model, step)
         part = slice(index * per, (index + 1) * per)
         loss = await trainer.train_micro_batch(x[part], y[part])
-        _emit(step=step, delivered=trainer.stats.samples_delivered, time=time.time(),
-              loss=loss, retries=trainer.stats.retries)
+        _emit(
+            step=step,
+            delivered=trainer.stats.samples_delivered,
+            time=time.time(),
+            loss=loss,
+            retries=trainer.stats.retries,
+        )
 
     if args.lockstep:
         for step in range(args.steps):
@@ -194,7 +201,9 @@ def main() -> None:
     parser.add_argument("--floor-s", type=float, default=0.0, help="server: compute floor")
     parser.add_argument("--rebalance-s", type=float, default=0.0, help="server: rebalance period")
     parser.add_argument("--steps", type=int, default=20, help="trainer: steps to push")
-    parser.add_argument("--in-flight", type=int, default=8, help="trainer: concurrent micro-batches")
+    parser.add_argument(
+        "--in-flight", type=int, default=8, help="trainer: concurrent micro-batches"
+    )
     parser.add_argument("--lockstep", action="store_true", help="trainer: one step at a time")
     parser.add_argument("--wait-go", action="store_true", help="trainer: start on a stdin line")
     model_flags(parser)

@@ -29,13 +29,15 @@ wait for this loop to advance its clock.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import selectors
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar, TypeVarTuple
 
 __all__ = ["VirtualClockLoop", "run_virtual"]
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 FileDescriptorLike: TypeAlias = Any  # int or an object with fileno()
 
 
@@ -95,7 +97,10 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         return self._threads_busy
 
     def run_in_executor(
-        self, executor: Any, func: Callable[..., T], *args: Any
+        self,
+        executor: concurrent.futures.Executor | None,
+        func: Callable[[*Ts], T],
+        *args: *Ts,
     ) -> asyncio.Future[T]:
         """As the base loop's; the clock stands still until the job's result is back."""
         future = super().run_in_executor(executor, func, *args)
