@@ -32,6 +32,7 @@ if not __package__:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._pipeline_model import PipelineModel, batch, block_factory
 from benchmarks._pipeline_torch import model_flags, model_from
+from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.peer import Peer, PeerConfig
 from p2ptrain.swarm import (
@@ -46,6 +47,7 @@ from p2ptrain.swarm import (
     read_stage,
 )
 from p2ptrain.swarm.rebalance import PeerLoad, RebalanceConfig, Rebalancer
+from p2ptrain.train.progress import ProgressConfig
 
 
 def swarm_model(model: PipelineModel) -> SwarmModel:
@@ -72,9 +74,33 @@ def _watch_stdin() -> tuple[threading.Event, threading.Event]:
     return line, closed
 
 
+FAST_MATCHMAKING = MatchmakingConfig(
+    window=0.3,
+    poll_interval=0.05,
+    ready_timeout=2.0,
+    plan_timeout=5.0,
+    reduce_timeout=5.0,
+    round_timeout=10.0,
+)
+FAST_PROGRESS = ProgressConfig(
+    publish_interval=0.2,
+    heartbeat_interval=1.0,
+    expiration=5.0,
+    min_fetch_interval=0.1,
+    max_fetch_interval=0.5,
+)
+
+
 def _peer(join: str | None) -> Peer:
     initial = (join,) if join else ()
-    peer = Peer(PeerConfig(nat=None, dht=DHTNodeConfig(initial_peers=initial)))
+    peer = Peer(
+        PeerConfig(
+            nat=None,
+            probe_bytes=None,
+            matchmaking=FAST_MATCHMAKING,
+            dht=DHTNodeConfig(initial_peers=initial, request_timeout=2.0),
+        )
+    )
     peer.start()
     return peer
 
@@ -97,7 +123,13 @@ def serve(args: argparse.Namespace, model: PipelineModel) -> None:
         stage=args.stage,
         make_optimizer=lambda ps: torch.optim.SGD(ps, lr=model.lr),
         config=StageServerConfig(
-            run_id=args.run, target_batch_size=model.batch, min_compute_s=args.floor_s
+            run_id=args.run,
+            target_batch_size=model.batch,
+            min_compute_s=args.floor_s,
+            progress=FAST_PROGRESS,
+            announce_interval=0.5,
+            announce_ttl=3.0,
+            step_interval=0.1,
         ),
     )
     _, closed = _watch_stdin()
@@ -176,7 +208,13 @@ def train(args: argparse.Namespace, model: PipelineModel) -> None:
     _emit(address=peer.address)
     trainer = PipelineTrainer(
         peer=peer,
-        config=PipelineTrainerConfig(run_id=args.run, num_stages=model.stages, call_timeout=10.0),
+        config=PipelineTrainerConfig(
+            run_id=args.run,
+            num_stages=model.stages,
+            call_timeout=5.0,
+            retry_interval=0.1,
+            refresh_interval=0.5,
+        ),
         loss=torch.nn.functional.mse_loss,
         seed=0,
     )
