@@ -31,9 +31,6 @@ from p2ptrain.secure.identity import Identity
 from p2ptrain.secure.swarm_key import generate_swarm_key, read_swarm_key, write_swarm_key
 
 if TYPE_CHECKING:
-    import threading
-    from collections.abc import Callable
-
     from p2ptrain.nat.config import NATConfig, RelayLimits
 
 __all__ = ["main"]
@@ -592,8 +589,6 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"joined as {address}", file=sys.stderr, flush=True)
         began.set()
 
-    if args.pipeline:
-        return _run_pipeline_train(args, stop=stop, joined=joined)
     from p2ptrain.app.task import default_run_id  # noqa: PLC0415 - imports torch
     from p2ptrain.app.train import (  # noqa: PLC0415 - torch is slow
         TrainingSessionConfig,
@@ -653,10 +648,18 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_pipeline_train(
-    args: argparse.Namespace, *, stop: threading.Event, joined: Callable[[str], None]
-) -> int:
+def _run_pipeline_train(args: argparse.Namespace) -> int:
     """``p2ptrain train --pipeline`` (see :mod:`p2ptrain.app.pipeline`)."""
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())  # a clean end, with a summary
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+
+    def joined(address: str) -> None:
+        print(f"joined as {address}", file=sys.stderr, flush=True)
+
     from p2ptrain.app.pipeline import (  # noqa: PLC0415 - imports torch
         PipelinePeerConfig,
         json_line_writer,
@@ -834,7 +837,7 @@ _COMMANDS = {
     "keygen": _run_keygen,
     "demo": _run_demo,
     "bootstrap": _run_bootstrap,
-    "train": _run_train,
+    "train": lambda args: (_run_pipeline_train if args.pipeline else _run_train)(args),
     "status": _run_status,
     "bench": _run_bench,
 }

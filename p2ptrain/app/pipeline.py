@@ -267,6 +267,7 @@ def _report(
                 "loss": stats.last_loss,
                 "delivered": stats.samples_delivered,
                 "committed": server.stats.samples_committed,
+                "in_steps": server.stats.samples_in_steps,
                 "retries": stats.retries,
                 "micro_batches": stats.micro_batches,
             }

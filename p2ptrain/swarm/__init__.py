@@ -12,27 +12,20 @@ chosen by the wiring rule of :mod:`p2ptrain.swarm.wiring`, and retries on
 another peer when one dies, stalls or refuses. All blocks live in servers; the
 trainer holds only the loss. See docs/pipeline.md.
 
-Example (one process; in a swarm each peer runs its own server or trainer)::
+Example (two peers in one process; docs/pipeline.md runs this in full)::
 
-    import torch
-    from torch import nn
-    from p2ptrain.peer import Peer, PeerConfig
-    from p2ptrain.swarm import (PipelineModel, PipelineTrainer, PipelineTrainerConfig,
-                                StageServer, StageServerConfig)
-
-    model = PipelineModel.even([lambda: nn.Linear(8, 32), nn.Tanh,
-                                lambda: nn.Linear(32, 1)], num_stages=2)
-    server_cfg = StageServerConfig(run_id="demo", target_batch_size=64)
-    with Peer(PeerConfig(nat=None)) as a, Peer(PeerConfig(nat=None, dht=...a.address...)) as b:
-        servers = [StageServer(peer=p, model=model, stage=s, config=server_cfg,
-                               make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-                   for s, p in enumerate((a, b))]
-        for server in servers:
-            server.start()
-        trainer = PipelineTrainer(peer=a, config=PipelineTrainerConfig(run_id="demo",
-                                  num_stages=2), loss=nn.functional.mse_loss)
-        loss = trainer.step(torch.randn(16, 8), torch.randn(16, 1))   # or
-        # loss = await trainer.train_micro_batch(x, y)                 # on the peer's loop
+    model = PipelineModel.even([lambda: nn.Linear(4, 16), nn.Tanh, lambda: nn.Linear(16, 1)], 2)
+    config = StageServerConfig(run_id="demo", target_batch_size=32)
+    # first, second: started Peers of one swarm (second joined through first.address)
+    servers = [StageServer(peer=p, model=model, stage=s, config=config,
+                           make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+               for s, p in enumerate((first, second))]
+    for server in servers:
+        server.start()                      # checks the memory budget, joins, announces
+    trainer = PipelineTrainer(peer=first, loss=nn.functional.mse_loss,
+                              config=PipelineTrainerConfig(run_id="demo", num_stages=2))
+    loss = trainer.step(x, y, timeout=30)   # from a thread; on the loop:
+    # loss = await trainer.train_micro_batch(x, y)
 
 Stable names for other layers (rebalancing, benchmarks, simulator):
 ``StageServer.stage / samples_per_s / queue_length / global_step / stats /

@@ -118,6 +118,8 @@ class PipelineTrainerConfig:
         refresh_interval: Seconds between reads of a stage's announcements.
         jitter: Randomization of the wiring rule: each candidate's expected
             completion is multiplied by a factor drawn from ``[1, 1 + jitter]``.
+        explore: Probability that a micro-batch goes to a uniformly drawn
+            peer of the stage instead of the wiring rule's choice.
         latency_smoothing: Weight of a new latency sample in the moving average.
         avoid_s: Seconds a peer that failed a call is left out of the wiring.
         wire_dtype: Dtype of the floating tensors the trainer sends.
@@ -131,6 +133,7 @@ class PipelineTrainerConfig:
     stage_wait: float | None = None
     refresh_interval: float = 1.0
     jitter: float = 0.2
+    explore: float = 0.05
     latency_smoothing: float = 0.3
     avoid_s: float = 5.0
     wire_dtype: str = "float32"
@@ -147,6 +150,9 @@ class PipelineTrainerConfig:
         check_number(f"{owner}.jitter", self.jitter, above=-math.inf)
         if self.jitter < 0:
             raise ConfigError(f"{owner}.jitter must be >= 0, got {self.jitter!r}")
+        check_number(f"{owner}.explore", self.explore, above=-math.inf)
+        if not 0 <= self.explore <= 1:
+            raise ConfigError(f"{owner}.explore must be in [0, 1], got {self.explore!r}")
         check_number(f"{owner}.latency_smoothing", self.latency_smoothing)
         if self.latency_smoothing > 1:
             raise ConfigError(f"{owner}.latency_smoothing must be in (0, 1]")

@@ -90,6 +90,8 @@ class StageServerStats:
     forwards: int = 0
     backwards: int = 0
     samples_committed: int = 0
+    samples_in_steps: int = 0
+    """This peer's samples in the stage steps it applied (each step's ``own``)."""
     refused_full: int = 0
     refused_late: int = 0
     bad_requests: int = 0
@@ -188,7 +190,7 @@ class StageServer:
         self._closed = False
         self.on_event: Callable[[str, int], None] | None = None
         """Called on the peer's loop with (``forward_started`` | ``forward_done`` |
-        ``backward_done``, stage): for tests, demos and monitors."""
+        ``backward_done`` | ``stepped``, stage): for tests, demos and monitors."""
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -377,10 +379,13 @@ class StageServer:
             state = self._state
             if state is None or self._moving:
                 continue
+            before = state.copt.global_step
             try:
                 await loop.run_in_executor(self._stepper, self._hand_over, state)
             except Exception:
                 logger.exception("stage %d: handing gradients to the optimizer failed", state.index)
+            if state.copt.global_step != before:
+                self._emit("stepped", state.index)
 
     def _hand_over(self, state: _Stage) -> None:
         """Give the accumulated gradients to the stage's optimizer as one batch (stepper thread)."""
@@ -389,11 +394,13 @@ class StageServer:
             for p, total in zip(state.params, state.sums, strict=True):
                 p.grad = total / samples if samples else None
                 total.zero_()
-        before = state.copt.global_step
+        before = state.copt.last_step
         state.copt.step(batch_size=samples)
-        if state.copt.global_step != before:
+        record = state.copt.last_step
+        if record is not None and record is not before:  # a step applied (not a download)
             steps = self.stats.steps_by_stage
             steps[state.index] = steps.get(state.index, 0) + 1
+            self.stats.samples_in_steps += record.own
 
     async def _announce_loop(self) -> None:
         while True:

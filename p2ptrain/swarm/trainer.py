@@ -220,11 +220,12 @@ class PipelineTrainer:
     async def _call(self, address: str, method: str, body: Any, payload: Any) -> Message:
         link = self._links.setdefault(address, LinkStats())
         link.in_flight += 1
-        started = time.monotonic()
         try:
-            reply = await self.peer.node.call(
-                address, method, body, payload, timeout=self.config.call_timeout
-            )
+            timeout = self.config.call_timeout
+            async with asyncio.timeout(timeout):
+                conn = await self.peer.node.connect(address)  # a first dial is not latency
+            started = time.monotonic()
+            reply = await conn.call(method, body, payload, timeout=timeout)
         finally:
             link.in_flight -= 1
         link.observe(time.monotonic() - started, self.config.latency_smoothing)
@@ -266,6 +267,7 @@ class PipelineTrainer:
                 now=now,
                 rng=self._rng,
                 jitter=self.config.jitter,
+                explore=self.config.explore,
             )
             if chosen is not None:
                 link = self._links.get(chosen.address)

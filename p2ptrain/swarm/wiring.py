@@ -12,7 +12,10 @@ service time of a ``b``-sample micro-batch at the peer's announced rate
 ``r_i`` (samples/s), and ``l_i`` the trainer's moving average of its measured
 call latency to that peer (compute plus network; ``s_i`` before any call).
 Each ``T_i`` is multiplied by a factor drawn from ``[1, 1 + jitter]`` and the
-smallest wins. Peers that just failed a call are left out for a while.
+smallest wins; with a small probability (``explore``) a uniformly drawn peer
+is taken instead, so that no peer's figures go stale (a peer whose first
+measurement was unlucky would otherwise never be asked again). Peers that
+just failed a call are left out for a while.
 
 Why it serves peers in proportion to speed: a peer receives work while its
 ``T_i`` is the smallest, and each micro-batch it receives raises its ``T_i``
@@ -20,9 +23,9 @@ by ``s_i = b / r_i``. In steady state the backlogs settle where the ``T_i``
 are equal, so ``(q_i + f_i) / r_i`` is the same for every peer: each peer's
 backlog, and hence the rate at which it is handed micro-batches (its backlog
 drains at ``r_i``), is proportional to its speed. A peer twice as fast holds
-twice the backlog and serves twice the samples. The jitter spreads ties and
-keeps probing peers whose figures are stale, so a peer that sped up (or a
-newcomer with no measurements) gets work and gets measured.
+twice the backlog and serves twice the samples. The jitter spreads ties; an
+unmeasured newcomer has ``T_i`` of its announced service time alone, so it
+gets work at once and gets measured; exploration re-measures the others.
 """
 
 from __future__ import annotations
@@ -92,18 +95,23 @@ def choose_peer(
     now: float,
     rng: random.Random,
     jitter: float,
+    explore: float = 0.0,
     exclude: frozenset[str] = frozenset(),
 ) -> Candidate | None:
     """The candidate with the earliest jittered expected completion, or None if none is usable.
 
     Candidates in ``exclude`` or avoided until after ``now`` are skipped; if
     that leaves none, avoided peers (never excluded ones) are used again.
+    With probability ``explore`` a uniformly drawn usable candidate is taken
+    instead, so that every peer's figures keep being measured.
     """
     usable = [c for c in candidates if c.address not in exclude]
     fresh = [c for c in usable if stats.get(c.address, LinkStats()).avoid_until <= now]
     pool = fresh or usable
     if not pool:
         return None
+    if explore > 0 and len(pool) > 1 and rng.random() < explore:
+        return pool[rng.randrange(len(pool))]
     best: Candidate | None = None
     best_time = 0.0
     for candidate in pool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -117,3 +119,15 @@ def test_eight_pipeline_peers_train_and_survive_kill_9_of_a_stage_peer(swarm: Sw
     lasts = [swarm.latest[i]["loss"] for i in range(8) if swarm.latest[i].get("loss") is not None]
     assert sum(lasts) / len(lasts) < 0.95 * sum(firsts) / len(firsts)
     print(f"kill -9 of a stage-1 peer: stage 1 stepped again after {recovered_s:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_stage_over_the_memory_budget_is_refused_with_both_figures(swarm: Swarm) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "p2ptrain.app.cli", "train", "--pipeline", "--join",
+         swarm.address, "--run-id", "pp", "--stage", "1", "--memory-budget-mb", "0.5"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "stage 1 needs 1.0" in result.stderr
+    assert "budget is 0.50 MB: refusing to serve it" in result.stderr
