@@ -56,7 +56,7 @@ import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from p2ptrain.errors import ConfigError
+from p2ptrain.errors import ConfigError, P2PTrainError
 
 __all__ = [
     "Decision",
@@ -458,8 +458,12 @@ class Rebalancer:
         return decision
 
     async def run(self) -> None:
-        """Decide every period until cancelled."""
+        """Decide every period until cancelled (a failed read or move is logged; the
+        next period tries again)."""
         jitter = self.config.jitter
         while True:
             await asyncio.sleep(self.config.period_s * self._rng.uniform(1 - jitter, 1 + jitter))
-            await self.step()
+            try:
+                await self.step()
+            except P2PTrainError as exc:
+                log.warning("rebalancing: this period's decision failed: %s", exc)

@@ -8,9 +8,10 @@ What runs as in production, over :class:`~p2ptrain.testing.simnet.SimNetwork`
   :class:`~p2ptrain.dht.api.DHT`;
 * the stage directory (:func:`p2ptrain.swarm.directory.announce` and
   :func:`~p2ptrain.swarm.directory.read_stage`, with its TTLs);
-* the trainers: :class:`p2ptrain.swarm.trainer.PipelineTrainer`, its wiring
-  rule, retries and pause, calling the pipeline protocol
-  (:mod:`p2ptrain.swarm.protocol`) over the simulated links;
+* the trainers: :class:`p2ptrain.swarm.trainer.PipelineTrainer` (on the
+  virtual clock through its ``clock`` argument), its wiring rule, retries
+  and pause, calling the pipeline protocol (:mod:`p2ptrain.swarm.protocol`)
+  over the simulated links;
 * rebalancing: one :class:`p2ptrain.swarm.rebalance.Rebalancer` per stage
   peer, reading the directory every period and moving its peer.
 
@@ -551,6 +552,7 @@ class SwarmSimulation:
                 ),
                 loss=nn.functional.mse_loss,
                 seed=self.rng.randrange(1 << 30),
+                clock=asyncio.get_running_loop().time,
             )
             self.trainers.append(trainer)
         in_flight = cfg.in_flight or 4 * sum(cfg.start)
