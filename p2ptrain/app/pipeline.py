@@ -230,6 +230,7 @@ def _train(  # noqa: PLR0917 - private, one call site
     for future in lanes:
         future.cancel()  # one paused on a stage with no peer, or past the grace
     concurrent.futures.wait(lanes, timeout=10)
+    trainer.close()  # stops confirming and replaying
     for future in lanes:
         if not future.cancelled() and future.exception() is not None:
             logger.warning("a training lane failed: %r", future.exception())

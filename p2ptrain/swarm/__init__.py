@@ -32,7 +32,11 @@ Stable names for other layers (rebalancing, benchmarks, simulator):
 move_to(stage)`` (async, on the peer's loop), ``StageServerConfig.min_compute_s``
 (emulated device speed), ``read_stage(dht, run_id, stage)`` →
 ``StageAnnouncement`` (who serves a stage, their samples/s and queue),
-``PipelineTrainer.stats`` (``samples_delivered``, ``retries``).
+``PipelineTrainer.stats`` (``samples_delivered``, ``retries``, ``replayed_samples``),
+``PipelineTrainer.settle()`` / ``close()`` (replay what was lost, then stop),
+``StageServer.on_event`` (``forward_started``, ``forward_done``,
+``backward_done``, ``stepped``), ``StageServerStats.samples_in_steps``.
+Exactly-once counting of samples across kills: :mod:`p2ptrain.swarm.ledger`.
 """
 
 from p2ptrain.errors import MemoryBudgetError, PipelineError, StageUnavailableError

@@ -37,6 +37,10 @@ class StageServerConfig:
             ``<run_id>-stage<i>`` of :class:`~p2ptrain.train.CollaborativeOptimizer`.
         target_batch_size: Samples the peers of one stage accumulate, all
             together, before that stage's global step.
+        max_local_samples_per_step: If set, this peer adds at most this many
+            samples to a stage step (see :class:`~p2ptrain.train.TrainerConfig`):
+            with one peer per stage and ``target_batch_size`` equal to it,
+            every step holds exactly that many samples.
         max_held_per_peer: Micro-batches of one trainer whose forward state
             (input and autograd graph) the server holds at once; one more is
             refused with ``resource_exhausted``.
@@ -65,6 +69,7 @@ class StageServerConfig:
 
     run_id: str
     target_batch_size: int
+    max_local_samples_per_step: int | None = None
     max_held_per_peer: int = 16
     hold_timeout: float = 60.0
     min_compute_s: float = 0.0
@@ -84,6 +89,12 @@ class StageServerConfig:
         check_pipeline_run_id(owner, self.run_id)
         check_integer(f"{owner}.target_batch_size", self.target_batch_size, at_least=1)
         check_integer(f"{owner}.max_held_per_peer", self.max_held_per_peer, at_least=1)
+        check_integer(
+            f"{owner}.max_local_samples_per_step",
+            self.max_local_samples_per_step,
+            at_least=1,
+            allow_none=True,
+        )
         check_integer(
             f"{owner}.memory_budget_bytes", self.memory_budget_bytes, at_least=1, allow_none=True
         )

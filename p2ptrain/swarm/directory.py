@@ -2,9 +2,11 @@
 
 Each stage server writes one entry, under its own owner-bound sub-key, in the
 dictionary ``<run_id>/stage-<i>``: ``{"a": address, "r": samples/s, "q": queue,
-"s": step}``, expiring ``announce_ttl`` seconds later (a peer that dies
-vanishes from the wiring within that time; the trainers' failed calls drop
-it sooner). A server leaving a stage overwrites its entry with ``{"left": true}``.
+"s": step, "inc", "cs", "ls"}`` (its commit receipts, :mod:`p2ptrain.swarm.ledger`),
+expiring ``announce_ttl`` seconds later (a peer that dies vanishes from the
+wiring within that time; the trainers' failed calls drop it sooner). A server
+leaving a stage overwrites its entry with ``{"left": true, "a": address}`` and
+its final receipts.
 """
 
 from __future__ import annotations
@@ -17,9 +19,18 @@ from p2ptrain.dht.api import DHT
 from p2ptrain.dht.records import key_owner, owner_bound_key
 from p2ptrain.errors import IdentityError, P2PTrainError
 from p2ptrain.secure.identity import PeerID
+from p2ptrain.swarm.ledger import Receipts
 from p2ptrain.swarm.wiring import Candidate
 
-__all__ = ["SERVER_SUBKEY", "StageAnnouncement", "announce", "read_stage", "stage_key", "withdraw"]
+__all__ = [
+    "SERVER_SUBKEY",
+    "StageAnnouncement",
+    "announce",
+    "read_records",
+    "read_stage",
+    "stage_key",
+    "withdraw",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +53,8 @@ class StageAnnouncement:
     queue: int
     step: int
     expiration: float
+    receipts: Receipts | None = None
+    left: bool = False
 
     def candidate(self) -> Candidate:
         """The wiring's view of it."""
@@ -58,19 +71,38 @@ async def announce(
     queue: int,
     step: int,
     ttl: float,
+    receipts: Receipts | None = None,
 ) -> None:
     """Publish (or refresh) this server's entry for ``stage``."""
-    value = {"a": address, "r": float(samples_per_s), "q": int(queue), "s": int(step)}
+    value: dict[str, object] = {
+        "a": address,
+        "r": float(samples_per_s),
+        "q": int(queue),
+        "s": int(step),
+    }
+    if receipts is not None:
+        value.update(receipts.to_wire())
     await dht.store(
         stage_key(run_id, stage), value, dht.now() + ttl, subkey=dht.owned_key(SERVER_SUBKEY)
     )
 
 
-async def withdraw(dht: DHT, run_id: str, stage: int, *, ttl: float) -> None:
-    """Overwrite this server's entry for ``stage`` with a "left" record."""
+async def withdraw(
+    dht: DHT,
+    run_id: str,
+    stage: int,
+    *,
+    ttl: float,
+    address: str = "",
+    receipts: Receipts | None = None,
+) -> None:
+    """Overwrite this server's entry for ``stage`` with a "left" record (and final receipts)."""
+    value: dict[str, object] = {"left": True, "a": address, "r": 0.0, "q": 0, "s": 0}
+    if receipts is not None:
+        value.update(receipts.to_wire())
     await dht.store(
         stage_key(run_id, stage),
-        {"left": True},
+        value,
         dht.now() + ttl,
         subkey=dht.owned_key(SERVER_SUBKEY),
     )
@@ -78,6 +110,15 @@ async def withdraw(dht: DHT, run_id: str, stage: int, *, ttl: float) -> None:
 
 async def read_stage(dht: DHT, run_id: str, stage: int) -> list[StageAnnouncement]:
     """The live servers of ``stage`` (malformed or "left" entries are skipped).
+
+    Raises:
+        LookupFailedError: No DHT peer could be asked.
+    """
+    return [a for a in await read_records(dht, run_id, stage) if not a.left]
+
+
+async def read_records(dht: DHT, run_id: str, stage: int) -> list[StageAnnouncement]:
+    """Every unexpired entry of ``stage``, "left" ones included (``left=True``).
 
     Raises:
         LookupFailedError: No DHT peer could be asked.
@@ -92,7 +133,7 @@ async def read_stage(dht: DHT, run_id: str, stage: int) -> list[StageAnnouncemen
         value = item.value
         if item.expiration is not None and item.expiration < now:
             continue
-        if not isinstance(value, dict) or value.get("left"):
+        if not isinstance(value, dict):
             continue
         parsed = _parse(value, owner, stage, item.expiration)
         if parsed is not None:
@@ -119,7 +160,15 @@ def _parse(
     if not address.startswith(f"{peer_id}@"):
         return None  # an entry must name its own writer's address
     return StageAnnouncement(
-        peer_id, stage, address, max(float(rate), 0.0), queue, step, expiration or math.inf
+        peer_id,
+        stage,
+        address,
+        max(float(rate), 0.0),
+        queue,
+        step,
+        expiration or math.inf,
+        Receipts.from_wire(value),
+        value.get("left") is True,
     )
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "BACKWARD_METHOD",
     "FORWARD_METHOD",
     "MB_ID_BYTES",
+    "RECEIPTS_METHOD",
     "RELEASE_METHOD",
     "StageRequest",
     "decode_limited",
@@ -43,6 +44,9 @@ __all__ = [
 FORWARD_METHOD: Final = "swarm.forward"
 BACKWARD_METHOD: Final = "swarm.backward"
 RELEASE_METHOD: Final = "swarm.release"
+RECEIPTS_METHOD: Final = "swarm.receipts"
+"""``{"inc": str}`` → the receipts of that incarnation (:mod:`p2ptrain.swarm.ledger`),
+or ``{"unknown": true}`` when the server has no such incarnation (it restarted)."""
 VERSION: Final = 1
 MB_ID_BYTES: Final = 16
 _MAX_SAMPLES: Final = 1 << 40

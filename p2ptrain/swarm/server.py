@@ -63,9 +63,11 @@ from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import PeerID
 from p2ptrain.swarm.config import StageServerConfig
 from p2ptrain.swarm.directory import announce, withdraw
+from p2ptrain.swarm.ledger import CommitLedger, Receipts
 from p2ptrain.swarm.protocol import (
     BACKWARD_METHOD,
     FORWARD_METHOD,
+    RECEIPTS_METHOD,
     RELEASE_METHOD,
     StageRequest,
     encode_for_wire,
@@ -130,12 +132,14 @@ class _Stage:
         check_budget(stage, self.memory_bytes, config.memory_budget_bytes)
         self.sums = [torch.zeros_like(p) for p in self.params]
         self.pending = 0
+        self.ledger = CommitLedger()
         self.copt = CollaborativeOptimizer(
             optimizer,
             peer=peer,
             config=TrainerConfig(
                 run_id=f"{config.run_id}-stage{stage}",
                 target_batch_size=config.target_batch_size,
+                max_local_samples_per_step=config.max_local_samples_per_step,
                 sync_tolerance=config.sync_tolerance,
                 progress=config.progress,
                 state=config.state,
@@ -184,6 +188,8 @@ class StageServer:
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self._stepper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-step")
         self._tasks: list[asyncio.Task[None]] = []
+        self._address = ""
+        self._past_receipts: dict[str, Receipts] = {}  # of stages this server left
         self._rate = 0.0
         self._forward_s = 0.0
         self.stats = StageServerStats()
@@ -222,10 +228,12 @@ class StageServer:
         return state
 
     async def _astart(self) -> None:
+        self._address = self.peer.address
         handlers = self.peer.node.handlers
         handlers.add_unary(FORWARD_METHOD, self._forward)
         handlers.add_unary(BACKWARD_METHOD, self._backward)
         handlers.add_unary(RELEASE_METHOD, self._release)
+        handlers.add_unary(RECEIPTS_METHOD, self._receipts)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._step_loop(), name="stage-step"),
@@ -253,15 +261,28 @@ class StageServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         handlers = self.peer.node.handlers
-        for method in (FORWARD_METHOD, BACKWARD_METHOD, RELEASE_METHOD):
+        for method in (FORWARD_METHOD, BACKWARD_METHOD, RELEASE_METHOD, RECEIPTS_METHOD):
             handlers.remove(method)
         state = self._state
         if state is not None:
-            with contextlib.suppress(P2PTrainError):
-                await withdraw(
-                    self.peer.dht, self.config.run_id, state.index, ttl=self.config.announce_ttl
-                )
+            await self._withdraw(state)
         self._drop_held()
+
+    async def _withdraw(self, state: _Stage) -> None:
+        """Leave ``state``'s stage: what is not in a step yet is lost (the trainers replay it)."""
+        with state.copt.state_lock:
+            state.ledger.lose_unresolved()
+            receipts = state.ledger.announced()
+        self._past_receipts[receipts.incarnation] = receipts
+        with contextlib.suppress(P2PTrainError):
+            await withdraw(
+                self.peer.dht,
+                self.config.run_id,
+                state.index,
+                ttl=self.config.announce_ttl,
+                address=self._address,
+                receipts=receipts,
+            )
 
     def __enter__(self) -> StageServer:
         self.start()
@@ -321,11 +342,11 @@ class StageServer:
         that does not fit raises :class:`~p2ptrain.errors.MemoryBudgetError`
         and the server stays where it is). Then the server stops taking
         micro-batches, drops those it holds (their trainers redo them on
-        another peer), withdraws its announcement, hands its committed
-        gradients to the old stage's optimizer and waits up to
-        ``drain_timeout`` seconds for that stage's next step (so committed
-        samples count; past it they are dropped and counted in
-        ``stats.samples_dropped_on_move``), leaves the old stage's run,
+        another peer), hands its committed gradients to the old stage's
+        optimizer and waits up to ``drain_timeout`` seconds for that stage's
+        next step (so committed samples count; past it they are dropped,
+        counted in ``stats.samples_dropped_on_move`` and announced lost, and
+        the trainers replay them), withdraws its announcement, leaves the old stage's run,
         joins the new one (downloading its state from a peer of it when the
         stage has stepped) and announces it.
         """
@@ -337,12 +358,9 @@ class StageServer:
         self._moving = True
         try:
             self._drop_held()
-            with contextlib.suppress(P2PTrainError):
-                await withdraw(
-                    self.peer.dht, self.config.run_id, old.index, ttl=self.config.announce_ttl
-                )
             await loop.run_in_executor(self._compute, lambda: None)  # in-flight compute is done
             await loop.run_in_executor(self._stepper, self._drain, old, drain_timeout)
+            await self._withdraw(old)
             new = await loop.run_in_executor(self._stepper, self._open, stage)
             self._state = new
             self.stats.moves += 1
@@ -358,7 +376,7 @@ class StageServer:
         deadline = time.monotonic() + timeout
         self._hand_over(state)
         while owed and state.copt.global_step == start_step and time.monotonic() < deadline:
-            state.copt.step(batch_size=0)
+            self._hand_over(state)  # steps (with nothing new) and accounts for the step
             if state.copt.global_step == start_step:
                 time.sleep(self.config.step_interval)  # polls the stage's progress
         if owed and state.copt.global_step == start_step:
@@ -394,13 +412,17 @@ class StageServer:
             for p, total in zip(state.params, state.sums, strict=True):
                 p.grad = total / samples if samples else None
                 total.zero_()
-        before = state.copt.last_step
+            state.ledger.handed(samples)
+        before, syncs = state.copt.last_step, state.copt.stats.syncs
         state.copt.step(batch_size=samples)
         record = state.copt.last_step
         if record is not None and record is not before:  # a step applied (not a download)
             steps = self.stats.steps_by_stage
             steps[state.index] = steps.get(state.index, 0) + 1
             self.stats.samples_in_steps += record.own
+            state.ledger.stepped(record.own)
+        elif state.copt.stats.syncs != syncs:  # the swarm's state replaced what we held
+            state.ledger.lose_handed()
 
     async def _announce_loop(self) -> None:
         while True:
@@ -408,19 +430,22 @@ class StageServer:
             await asyncio.sleep(self.config.announce_interval)
 
     async def _announce(self) -> None:
-        state = self._state
-        if state is None or self._moving:
+        state = self._state  # while moving: still the old stage, whose receipts trainers read
+        if state is None:
             return
+        with state.copt.state_lock:
+            receipts = state.ledger.announced()
         try:
             await announce(
                 self.peer.dht,
                 self.config.run_id,
                 state.index,
-                address=self.peer.address,
+                address=self._address,
                 samples_per_s=self._rate,
                 queue=len(self._held),
                 step=state.copt.global_step,
                 ttl=self.config.announce_ttl,
+                receipts=receipts,
             )
         except P2PTrainError as exc:
             logger.warning("could not announce stage %d: %s", state.index, exc)
@@ -549,19 +574,20 @@ class StageServer:
         if ctx.deadline is not None:
             commit_by = time.monotonic() + (ctx.deadline - loop.time()) - self.config.commit_margin
         assert request.tensor is not None
-        grad_x = await loop.run_in_executor(
+        grad_x, seq = await loop.run_in_executor(
             self._compute, self._backward_job, held, request.tensor, request.samples, commit_by
         )
         self.stats.backwards += 1
         self._emit("backward_done", state.index)
+        receipt = {"inc": state.ledger.incarnation, "seq": seq}
         if grad_x is None:
-            return Message({"g": None})
+            return Message({"g": None, **receipt})
         header, view = encode_for_wire(grad_x, self.config.wire_dtype)
-        return Message({"g": header}, view)
+        return Message({"g": header, **receipt}, view)
 
     def _backward_job(
         self, held: _Held, grad_y: torch.Tensor, samples: int, commit_by: float
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor | None, int]:
         state = held.state
         started = time.perf_counter()
         with state.copt.state_lock, torch.enable_grad():
@@ -590,15 +616,29 @@ class StageServer:
                 if grad is not None:
                     total.add_(grad, alpha=samples)
             state.pending += samples
+            seq = state.ledger.commit()
         self.stats.samples_committed += samples
         elapsed = time.perf_counter() - started
         self._observe_rate(samples, elapsed)
-        return grads[0].detach() if wants_x else None
+        return (grads[0].detach() if wants_x else None), seq
 
     def _observe_rate(self, samples: int, backward_s: float) -> None:
         seconds = max(backward_s + self._forward_s, 1e-6)
         rate = samples / seconds
         self._rate = rate if self._rate == 0 else self._rate + _RATE_SMOOTHING * (rate - self._rate)
+
+    async def _receipts(self, ctx: CallContext, message: Message) -> Message:
+        body = message.body
+        inc = body.get("inc") if isinstance(body, dict) else None
+        if not isinstance(inc, str):
+            self.stats.bad_requests += 1
+            raise InvalidArgumentError("a receipts request names an incarnation")
+        state = self._state
+        found = self._past_receipts.get(inc)
+        if found is None and state is not None and state.ledger.incarnation == inc:
+            with state.copt.state_lock:
+                found = state.ledger.announced()
+        return Message({"unknown": True} if found is None else found.to_wire())
 
     async def _release(self, ctx: CallContext, message: Message) -> Message:
         try:

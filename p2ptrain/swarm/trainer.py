@@ -43,18 +43,24 @@ import torch
 
 from p2ptrain.errors import (
     ConfigError,
+    ConnectError,
+    ConnectionClosedError,
+    MethodNotFoundError,
     P2PTrainError,
     RemoteProtocolError,
     StageUnavailableError,
+    UnavailableError,
 )
 from p2ptrain.peer import Peer
 from p2ptrain.rpc.handlers import Message
 from p2ptrain.swarm.config import PipelineTrainerConfig
 from p2ptrain.swarm.directory import read_stage_or_empty
+from p2ptrain.swarm.ledger import Receipts
 from p2ptrain.swarm.protocol import (
     BACKWARD_METHOD,
     FORWARD_METHOD,
     MB_ID_BYTES,
+    RECEIPTS_METHOD,
     RELEASE_METHOD,
     decode_limited,
     encode_for_wire,
@@ -80,6 +86,7 @@ class PipelineTrainerStats:
     failures: dict[str, int] = field(default_factory=dict)
     paused_s: float = 0.0
     last_loss: float | None = None
+    replayed_samples: int = 0
 
     def failed(self, reason: str) -> None:
         """Count one failed call by reason (the error's class name)."""
@@ -120,6 +127,10 @@ class PipelineTrainer:
         self._links: dict[str, LinkStats] = {}
         self._candidates: dict[int, tuple[float, list[Candidate]]] = {}
         self._waiting: dict[int, float] = {}
+        self._unconfirmed: list[_Unconfirmed] = []
+        self._replays: set[asyncio.Task[None]] = set()
+        self._confirmer: asyncio.Task[None] | None = None
+        self._receipts_seen: dict[tuple[str, str], Receipts] = {}
 
     # -- the synchronous facade --------------------------------------------------------
 
@@ -213,11 +224,18 @@ class PipelineTrainer:
             try:
                 reply = await self._call(address, BACKWARD_METHOD, body, view)
                 found = _field(reply, "g")
-                if found is None:
-                    return torch.empty(0)
-                return decode_limited(found, reply.payload, max_bytes=self.config.max_tensor_bytes)
+                result = (
+                    torch.empty(0)
+                    if found is None
+                    else decode_limited(
+                        found, reply.payload, max_bytes=self.config.max_tensor_bytes
+                    )
+                )
             except (P2PTrainError, TimeoutError) as exc:
                 self._failed(stage, address, "backward", exc)
+            else:
+                self._keep(_Unconfirmed(stage, address, _receipt(reply), x, grad, samples))
+                return result
             # The peer lost the micro-batch (or died): redo the stage's forward elsewhere.
             _, chain[stage] = await self._forward(stage, mb, x, samples)
 
@@ -234,6 +252,117 @@ class PipelineTrainer:
             link.in_flight -= 1
         link.observe(self._clock() - started, self.config.latency_smoothing)
         return reply
+
+    # -- the commit ledger: keep each stage's micro-batch until its step counted it ----
+
+    def _keep(self, entry: _Unconfirmed) -> None:
+        self._unconfirmed.append(entry)
+        if self._confirmer is None or self._confirmer.done():
+            self._confirmer = asyncio.get_running_loop().create_task(
+                self._confirm_loop(), name="pipeline-confirm"
+            )
+
+    def awaiting(self, address: str) -> int:
+        """Stage passes on the peer at ``address`` not yet known to be in a step."""
+        return sum(e.address == address for e in self._unconfirmed)
+
+    @property
+    def unconfirmed(self) -> int:
+        """Stage passes of micro-batches not yet known to be in a stage step (or replaying)."""
+        return len(self._unconfirmed) + len(self._replays)
+
+    async def _confirm_loop(self) -> None:
+        while self._unconfirmed:
+            await asyncio.sleep(self.config.refresh_interval)
+            await self.confirm()
+
+    async def confirm(self) -> None:
+        """Ask the stage peers once what became of the unconfirmed passes (``swarm.receipts``):
+        forget what a step counted, replay what was lost (:mod:`p2ptrain.swarm.ledger`).
+
+        A peer that cannot be reached (connection refused or closed) lost what
+        its last receipts did not count; one that does not answer in time is
+        asked again next round.
+        """
+        groups: dict[tuple[str, str], list[_Unconfirmed]] = {}
+        for entry in self._unconfirmed:
+            if entry.receipt is not None:
+                groups.setdefault((entry.address, entry.receipt[0]), []).append(entry)
+        lost: list[_Unconfirmed] = []
+        settled: set[int] = {id(e) for e in self._unconfirmed if e.receipt is None}
+        for (address, inc), entries in groups.items():
+            receipts = await self._ask_receipts(address, inc)
+            if receipts is None:
+                continue
+            for entry in entries:
+                seq = entry.receipt[1] if entry.receipt is not None else 0
+                fate = receipts.fate(seq)
+                if fate == "pending":
+                    continue
+                settled.add(id(entry))
+                if fate == "lost":
+                    lost.append(entry)
+        self._unconfirmed = [e for e in self._unconfirmed if id(e) not in settled]
+        for entry in lost:
+            task = asyncio.get_running_loop().create_task(self._replay(entry))
+            self._replays.add(task)
+            task.add_done_callback(self._replays.discard)
+
+    async def _ask_receipts(self, address: str, inc: str) -> Receipts | None:
+        """The receipts of ``inc`` at ``address`` (for a server that is gone, restarted
+        or unreachable: the last receipts seen, everything after them lost);
+        ``None``: no answer this time."""
+        seen = self._receipts_seen.get((address, inc))
+        try:
+            reply = await self.peer.node.call(
+                address, RECEIPTS_METHOD, {"inc": inc}, timeout=self.config.call_timeout
+            )
+        except (ConnectError, ConnectionClosedError, UnavailableError, MethodNotFoundError):
+            return _gone(seen)
+        except (P2PTrainError, TimeoutError) as exc:
+            logger.debug("no receipts from %s: %s", address[:16], exc)
+            return None
+        body = reply.body
+        if isinstance(body, dict) and body.get("unknown") is True:
+            return _gone(seen)
+        receipts = Receipts.from_wire(body)
+        if receipts is None or receipts.incarnation != inc:
+            return None
+        self._receipts_seen[(address, inc)] = receipts
+        return receipts
+
+    async def _replay(self, entry: _Unconfirmed) -> None:
+        """Push a lost stage pass through another peer of its stage (forward, then backward)."""
+        self.stats.replayed_samples += entry.samples
+        logger.info("replaying %d samples through stage %d", entry.samples, entry.stage)
+        mb = os.urandom(MB_ID_BYTES)
+        chain = [""] * (entry.stage + 1)
+        _, chain[entry.stage] = await self._forward(entry.stage, mb, entry.x, entry.samples)
+        await self._backward(entry.stage, mb, entry.x, entry.grad, chain, entry.samples)
+
+    async def settle(self) -> None:
+        """Confirm and replay until no known-lost pass is left (before a clean end).
+
+        Passes still pending on live servers stay pending: they are in those
+        servers' accumulators.
+        """
+        while True:
+            await self.confirm()
+            if not self._replays:
+                return
+            await asyncio.gather(*list(self._replays), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Stop confirming and replaying (on the peer's loop)."""
+        tasks = [t for t in (self._confirmer, *self._replays) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def close(self) -> None:
+        """:meth:`aclose` from an ordinary thread."""
+        if self.peer.running:
+            self.peer.run(self.aclose(), timeout=10)
 
     def _failed(self, stage: int, address: str, what: str, exc: BaseException) -> None:
         reason = type(exc).__name__
@@ -322,6 +451,35 @@ class PipelineTrainer:
             f" {stats.retries} retries"
         )
         return f"PAUSED: {paused}; {line}" if paused else line
+
+
+@dataclass(frozen=True)
+class _Unconfirmed:
+    """A stage pass whose samples no stage step has been seen to count yet."""
+
+    stage: int
+    address: str
+    receipt: tuple[str, int] | None  # (incarnation, seq), None from an old server
+    x: torch.Tensor
+    grad: torch.Tensor
+    samples: int
+
+
+def _receipt(reply: Message) -> tuple[str, int] | None:
+    body = reply.body
+    inc, seq = body.get("inc"), body.get("seq")
+    if isinstance(inc, str) and isinstance(seq, int) and not isinstance(seq, bool):
+        return inc, seq
+    return None
+
+
+def _gone(seen: Receipts | None) -> Receipts:
+    """A vanished server's receipts: what it last said was counted; everything else lost."""
+    if seen is None:
+        return Receipts("", 0, ())
+    return Receipts(
+        seen.incarnation, seen.contributed, (*seen.lost, (seen.contributed + 1, 1 << 62))
+    )
 
 
 def _field(reply: Message, key: str) -> Any:

@@ -17,13 +17,17 @@ is taken instead, so that no peer's figures go stale (a peer whose first
 measurement was unlucky would otherwise never be asked again). Peers that
 just failed a call are left out for a while.
 
-Why it serves peers in proportion to speed: a peer receives work while its
-``T_i`` is the smallest, and each micro-batch it receives raises its ``T_i``
-by ``s_i = b / r_i``. In steady state the backlogs settle where the ``T_i``
-are equal, so ``(q_i + f_i) / r_i`` is the same for every peer: each peer's
-backlog, and hence the rate at which it is handed micro-batches (its backlog
-drains at ``r_i``), is proportional to its speed. A peer twice as fast holds
-twice the backlog and serves twice the samples. The jitter spreads ties; an
+Why it serves peers in proportion to speed when the stage is the bottleneck:
+a peer receives work while its ``T_i`` is the smallest, and each micro-batch
+it receives raises its ``T_i`` by ``s_i = b / r_i``. When work arrives at
+least as fast as the stage can serve it, every peer keeps a backlog, the
+backlogs settle where the ``T_i`` are equal (``(q_i + f_i) / r_i`` the same
+for every peer), and each peer, never idle, serves at its own rate ``r_i``: a
+peer twice as fast serves twice the samples (a queue simulation in
+``tests/swarm/test_swarm_wiring.py`` checks the shares at 105 % load). Below
+saturation the rule sends more to the fast peers than their share of speed
+(it minimizes each micro-batch's completion time; a slow peer gets work only
+when the fast ones have a backlog). The jitter spreads ties; an
 unmeasured newcomer has ``T_i`` of its announced service time alone, so it
 gets work at once and gets measured; exploration re-measures the others.
 """

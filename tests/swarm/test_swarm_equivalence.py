@@ -29,7 +29,9 @@ def _single_process_losses() -> list[float]:
 
 
 def test_pipeline_loss_matches_single_process_training_at_25_50_and_100_percent() -> None:
-    config = server_config(target_batch_size=16 * MICRO)
+    # Each stage step holds exactly one step's samples (the swarm's step cut,
+    # which extrapolates the others' progress, is not what is compared here).
+    config = server_config(target_batch_size=16 * MICRO, max_local_samples_per_step=16 * MICRO)
     with swarm([0, 1], config=config) as (trainer_peer, _, servers):
         stepped = {s.stage: threading.Semaphore(0) for s in servers}
 

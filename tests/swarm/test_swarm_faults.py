@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import threading
+import asyncio
+from collections.abc import Callable
 
 import pytest
 import torch
 from swarm_peers import RUN, kill, make_trainer, regression_batch, server_config, swarm
 
 from p2ptrain.errors import InvalidArgumentError, ResourceExhaustedError, StageUnavailableError
-from p2ptrain.swarm import StageServer
 from p2ptrain.swarm.protocol import (
     BACKWARD_METHOD,
     FORWARD_METHOD,
@@ -19,37 +19,28 @@ from p2ptrain.swarm.protocol import (
 from p2ptrain.wire.tensors import encode_tensor
 
 
-def _watch(server: StageServer, wanted: str) -> threading.Event:
-    seen = threading.Event()
-
-    def on_event(event: str, stage: int) -> None:
-        if event == wanted:
-            seen.set()
-
-    server.on_event = on_event
-    return seen
-
-
 @pytest.mark.parametrize("moment", ["forward_started", "forward_done"])
 def test_a_stage_peer_killed_mid_micro_batch_costs_a_retry_and_counts_once(moment: str) -> None:
     slow = server_config(min_compute_s=0.3)
     with swarm([0, 1, 1], config=[server_config(), slow, slow]) as (trainer_peer, peers, servers):
         trainer = make_trainer(trainer_peer)
         trainer.step(*regression_batch(0), timeout=30)  # both stage-1 peers are announced
-        events = {i: _watch(servers[i], moment) for i in (1, 2)}
         before = {i: servers[i].stats.samples_committed for i in (0, 1, 2)}
-        done = trainer_peer.submit(trainer.train_micro_batch(*regression_batch(1)))
-        victim = None
-        for _ in range(2):  # the trainer picked one of the two stage-1 peers
-            for i, event in events.items():
-                if event.wait(timeout=0.1 if victim is None else 0):
-                    victim = i
-            if victim is not None:
-                break
-        if victim is None:
-            victim = next(i for i, e in events.items() if e.wait(timeout=20))
-        kill(peers[victim])
-        done.result(timeout=30)
+        killed: list[int] = []
+
+        def killer(index: int) -> Callable[[str, int], None]:
+            def on_event(event: str, stage: int) -> None:
+                if event == moment and not killed:  # the kill lands at once, on its loop
+                    killed.append(index)
+                    asyncio.get_running_loop().create_task(peers[index].node.abort())
+
+            return on_event
+
+        for index in (1, 2):
+            servers[index].on_event = killer(index)
+        trainer.step(*regression_batch(1), timeout=60)
+        assert killed
+        victim = killed[0]
         survivor = 3 - victim
         assert trainer.stats.retries >= 1
         assert trainer.stats.samples_delivered == 32
@@ -103,3 +94,49 @@ def test_a_stage_with_no_live_peer_pauses_with_a_status_line_then_gives_up() -> 
         with pytest.raises(StageUnavailableError, match="stage 1"):
             trainer.step(*regression_batch(0), timeout=30)
         assert trainer.stats.micro_batches == 0
+
+
+def test_samples_a_killed_peer_had_not_yet_averaged_are_replayed_and_counted_once() -> None:
+    # Stage steps of 10 micro-batches: the victim holds committed, unaveraged samples.
+    # A floor on compute keeps stage steps ~1 s apart: the two stage-1 peers then
+    # average together (far faster steps outrun their matchmaking and one of them
+    # keeps downloading the other's state, losing and replaying its samples).
+    config = server_config(
+        target_batch_size=320, announce_ttl=1.5, announce_interval=0.2, min_compute_s=0.01
+    )
+    with swarm([0, 1, 1], config=config) as (trainer_peer, peers, servers):
+        trainer = make_trainer(trainer_peer, refresh_interval=0.2, avoid_s=0.5)
+        i = 0
+        while servers[1].stats.samples_committed < 32 or servers[2].stats.samples_committed < 32:
+            trainer.step(*regression_batch(i), timeout=30)
+            i += 1
+            assert i < 200
+        victim, survivor = servers[1], servers[2]
+        trainer_peer.run(trainer.confirm(), timeout=30)  # the receipts as of the kill
+        kill(peers[1])
+        lost = victim.stats.samples_committed - victim.stats.samples_in_steps
+        assert lost > 0
+        step_at_kill = survivor.global_step
+        # Training goes on until the victim's passes were replayed and stage 1 stepped twice.
+        while trainer.awaiting(victim._address) or survivor.global_step < step_at_kill + 2:
+            trainer.step(*regression_batch(i), timeout=30)
+            i += 1
+            assert i < 1000
+        trainer_peer.run(trainer.settle(), timeout=60)
+        assert trainer.stats.replayed_samples >= lost
+        trainer.close()
+        delivered = trainer.stats.samples_delivered
+        for server in (servers[0], survivor):
+            server.close()  # hands the last partial step's samples to its optimizer
+        stage0 = servers[0].stats.samples_in_steps + servers[0].optimizer.local_samples
+        stage1 = (
+            victim.stats.samples_in_steps
+            + survivor.stats.samples_in_steps
+            + survivor.optimizer.local_samples
+        )
+        print(
+            f"delivered {delivered}, counted stage 0 {stage0}, stage 1 {stage1}; replayed "
+            f"{trainer.stats.replayed_samples} ({lost} lost with the victim)"
+        )
+        assert stage0 == delivered
+        assert stage1 == delivered

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -22,37 +21,30 @@ def test_a_server_moves_to_another_stage_downloads_its_state_and_serves_it() -> 
                 break
         assert servers[0].global_step >= 1
         mover = servers[2]
-        stop = threading.Event()
-
-        def keep_training() -> None:
-            i = 100
-            while not stop.is_set():
-                trainer.step(*regression_batch(i % 8), timeout=60)
-                i += 1
-
-        background = threading.Thread(target=keep_training)
-        background.start()
-        try:
-            mover.peer.run(mover.move_to(0, drain_timeout=20), timeout=60)
-        finally:
-            stop.set()
-            background.join(timeout=60)
+        committed = mover.stats.samples_committed
+        # No training during the move: stage 1 takes no step, so the mover's
+        # unaveraged samples are dropped after the drain timeout, announced lost
+        # and replayed by the trainer; stage 0 stands still, so the mover must
+        # join it at its step with its exact parameters.
+        mover.peer.run(mover.move_to(0, drain_timeout=0.5), timeout=60)
         assert mover.stage == 0
         assert mover.stats.moves == 1
-        assert mover.stats.samples_dropped_on_move == 0
-        # It joined stage 0 at that stage's step, with that stage's parameters.
-        assert mover.global_step == servers[0].global_step
+        dropped = mover.stats.samples_dropped_on_move
+        assert dropped == committed - mover.stats.samples_in_steps
+        assert mover.global_step == servers[0].global_step >= 1
         with servers[0].optimizer.state_lock, mover.optimizer.state_lock:
             for a, b in zip(servers[0].module.parameters(), mover.module.parameters(), strict=True):
                 assert torch.equal(a, b)
+        trainer_peer.run(trainer.settle(), timeout=60)
+        assert trainer.stats.replayed_samples >= dropped
         before = mover.stats.samples_committed
         rounds = 0
         while mover.stats.samples_committed == before and rounds < 500:
             # four micro-batches in flight at once: a backlog builds at stage 0
             trainer_peer.run(_concurrently(trainer, 4 * rounds), timeout=60)
             rounds += 1
-        print(f"the mover served stage 0 after {rounds} rounds")
         assert mover.stats.samples_committed > before  # the wiring sends it stage-0 work
+        trainer.close()
 
 
 def test_a_move_to_a_stage_that_does_not_exist_is_refused() -> None:

@@ -21,6 +21,7 @@ def test_every_committed_sample_is_counted_in_exactly_one_stage_step() -> None:
         trainer = make_trainer(trainer_peer)
         for i in range(30):
             trainer.step(*regression_batch(i), timeout=30)
+        trainer.close()
         for server in servers:  # hand the rest over: the stages' last step may be partial
             server.close()
         delivered = trainer.stats.samples_delivered
