@@ -76,7 +76,8 @@ def _part(name: str, skip: set[str], notes: list[str], fn: Any, *args: Any, **kw
     except Exception as exc:  # a part that fails is reported, the others still run
         notes.append(f"{name}: not measured: {type(exc).__name__}: {exc}")
         return None
-    print(f"[{name} took {time.monotonic() - started:.0f} s]", file=sys.stderr, flush=True)
+    took = time.monotonic() - started
+    print(f"[{name} took {took:.0f} s: {result!r}]", file=sys.stderr, flush=True)
     return result
 
 
