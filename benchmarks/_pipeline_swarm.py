@@ -160,9 +160,10 @@ def rebalance_real(
     run_s: float,
     in_flight: int,
 ) -> tuple[float, float, list[int]]:
-    """Samples/s in the first and the last ``window_s`` of a run from ``start`` peers per
-    stage, each server emulating a device (``floor_s`` per forward and per backward) and
-    rebalancing every ``period_s``; and the peers per stage at the end."""
+    """Samples/s in the first ``window_s`` after the first delivered micro-batch and in the
+    last ``window_s`` of a run from ``start`` peers per stage, each server emulating a
+    device (``floor_s`` per forward and per backward) and rebalancing every ``period_s``
+    (the first decisions come after ``0.8 * period_s``); and the peers per stage at the end."""
     stages = [s for s, n in enumerate(start) for _ in range(n)]
     swarm = Swarm(
         model,
@@ -174,7 +175,8 @@ def rebalance_real(
         began = swarm.go()
         time.sleep(run_s)
         lines = swarm.delivered()
-        first = _rate(lines, began, began + window_s)
+        flowing = min((m["time"] for m in lines), default=began)
+        first = _rate(lines, flowing, flowing + window_s)
         last = _rate(lines, began + run_s - window_s, began + run_s)
         counts = [0] * model.stages
         for server in swarm.servers:

@@ -56,8 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--loss-steps", type=int, default=40, help="steps of part (d)")
     parser.add_argument("--kill-bound-s", type=float, default=30.0, help="how long (b) waits")
     parser.add_argument("--floor-s", type=float, default=0.1, help="(c) device floor per call")
-    parser.add_argument("--rebalance-s", type=float, default=8.0, help="(c) rebalancing period")
-    parser.add_argument("--rebalance-run-s", type=float, default=60.0, help="(c) run length")
+    parser.add_argument("--rebalance-s", type=float, default=20.0, help="(c) rebalancing period")
+    parser.add_argument("--rebalance-run-s", type=float, default=90.0, help="(c) run length")
     parser.add_argument("--sim-periods", type=int, default=10, help="simulated periods")
     parser.add_argument("--sim256-peers", type=int, default=256, help="peers of the big sim")
     parser.add_argument("--sim256-periods", type=int, default=4, help="periods of the big sim")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     small = PipelineModel(width=256, depth=8, batch=model.batch, microbatches=model.microbatches)
     rebalanced = _part(
         "c-real", skip, notes, rebalance_real, small, start=(5, 1, 1, 1),
-        floor_s=args.floor_s, period_s=args.rebalance_s, window_s=args.rebalance_s,
+        floor_s=args.floor_s, period_s=args.rebalance_s, window_s=0.5 * args.rebalance_s,
         run_s=args.rebalance_run_s, in_flight=4 * model.microbatches,
     )  # fmt: skip
     sim40 = _part("c-sim", skip, notes, _sim, (40, 8, 8, 8), args.sim_periods)
