@@ -133,6 +133,8 @@ class PipelineTrainerConfig:
             peer of the stage instead of the wiring rule's choice.
         latency_smoothing: Weight of a new latency sample in the moving average.
         avoid_s: Seconds a peer that failed a call is left out of the wiring.
+        gone_after: Seconds a stage peer must stay unreachable before the
+            passes it had not counted in a step are replayed elsewhere.
         wire_dtype: Dtype of the floating tensors the trainer sends.
         max_tensor_bytes: Largest tensor accepted back from a stage peer.
     """
@@ -147,6 +149,7 @@ class PipelineTrainerConfig:
     explore: float = 0.05
     latency_smoothing: float = 0.3
     avoid_s: float = 5.0
+    gone_after: float = 5.0
     wire_dtype: str = "float32"
     max_tensor_bytes: int = 64 << 20
 
@@ -155,7 +158,7 @@ class PipelineTrainerConfig:
         check_pipeline_run_id(owner, self.run_id)
         check_integer(f"{owner}.num_stages", self.num_stages, at_least=1)
         check_integer(f"{owner}.max_tensor_bytes", self.max_tensor_bytes, at_least=1)
-        for name in ("call_timeout", "retry_interval", "refresh_interval", "avoid_s"):
+        for name in ("call_timeout", "retry_interval", "refresh_interval", "avoid_s", "gone_after"):
             check_number(f"{owner}.{name}", getattr(self, name))
         check_number(f"{owner}.stage_wait", self.stage_wait, allow_none=True)
         check_number(f"{owner}.jitter", self.jitter, above=-math.inf)

@@ -131,6 +131,7 @@ class PipelineTrainer:
         self._replays: set[asyncio.Task[None]] = set()
         self._confirmer: asyncio.Task[None] | None = None
         self._receipts_seen: dict[tuple[str, str], Receipts] = {}
+        self._unreachable: dict[tuple[str, str], float] = {}
 
     # -- the synchronous facade --------------------------------------------------------
 
@@ -280,9 +281,9 @@ class PipelineTrainer:
         """Ask the stage peers once what became of the unconfirmed passes (``swarm.receipts``):
         forget what a step counted, replay what was lost (:mod:`p2ptrain.swarm.ledger`).
 
-        A peer that cannot be reached (connection refused or closed) lost what
-        its last receipts did not count; one that does not answer in time is
-        asked again next round.
+        A peer that stays unreachable (connection refused or closed) for
+        ``gone_after`` seconds lost what its last receipts did not count; one
+        that does not answer in time is asked again next round.
         """
         groups: dict[tuple[str, str], list[_Unconfirmed]] = {}
         for entry in self._unconfirmed:
@@ -318,10 +319,15 @@ class PipelineTrainer:
                 address, RECEIPTS_METHOD, {"inc": inc}, timeout=self.config.call_timeout
             )
         except (ConnectError, ConnectionClosedError, UnavailableError, MethodNotFoundError):
-            return _gone(seen)
+            # Gone only once it stays unreachable for gone_after seconds: a live
+            # peer's transient failure must not replay what its steps counted.
+            now = time.monotonic()
+            since = self._unreachable.setdefault((address, inc), now)
+            return _gone(seen) if now - since >= self.config.gone_after else None
         except (P2PTrainError, TimeoutError) as exc:
             logger.debug("no receipts from %s: %s", address[:16], exc)
             return None
+        self._unreachable.pop((address, inc), None)
         body = reply.body
         if isinstance(body, dict) and body.get("unknown") is True:
             return _gone(seen)
