@@ -51,7 +51,16 @@ from benchmarks.harness import (
 )
 from p2ptrain.testing.natlab.netns import lab_unavailable
 
-BENCHMARKS = ("transport", "dht", "allreduce", "lp", "training", "compression", "webrtc")
+BENCHMARKS = (
+    "transport",
+    "dht",
+    "allreduce",
+    "lp",
+    "training",
+    "compression",
+    "pipeline",
+    "webrtc",
+)
 """Every benchmark, in the order they run (transport's table opens the report)."""
 TIMEOUT_S = 3600.0
 """Seconds one benchmark may take before it is stopped."""
@@ -64,6 +73,8 @@ QUICK_ARGS: dict[str, str] = {
     "lp": "--sizes 8 --resolves 2",
     "training": "--peers 2 --steps 2 --rounds 1 --inner-steps 2 --single-batches 4",
     "compression": "--steps 2 --eval-windows 8",
+    "pipeline": "--width 128 --steps 2 --warmup 1 --loss-steps 4 --sim-periods 2"
+    " --sim256-peers 16 --sim256-periods 2 --skip b,b-torch,c-real",
     "webrtc": "--seconds 1 --loss-seconds 2 --repeats 1",
 }
 """Workloads of ``--quick``: a smoke test of the report, not a measurement."""

@@ -47,6 +47,7 @@ BENCHMARKS = (
     "webrtc",
     "scale",
     "hostile",
+    "pipeline",
 )
 _EXAMPLES = """examples:
   p2ptrain demo                                   # a local swarm on this machine

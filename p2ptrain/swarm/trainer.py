@@ -101,6 +101,8 @@ class PipelineTrainer:
         config: The run, its number of stages, timeouts and wiring jitter.
         loss: The loss of the last stage's output against the targets.
         seed: Seed of the wiring's randomization (default: from the OS).
+        clock: Monotonic seconds for latencies, back-off and refresh (a
+            simulation passes its virtual loop's ``time``).
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class PipelineTrainer:
         config: PipelineTrainerConfig,
         loss: LossFunction,
         seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(config, PipelineTrainerConfig):
             raise ConfigError("config must be a PipelineTrainerConfig")
@@ -120,6 +123,7 @@ class PipelineTrainer:
         self.loss = loss
         self.stats = PipelineTrainerStats()
         self._rng = random.Random(seed)
+        self._clock = clock
         self._links: dict[str, LinkStats] = {}
         self._candidates: dict[int, tuple[float, list[Candidate]]] = {}
         self._waiting: dict[int, float] = {}
@@ -243,11 +247,11 @@ class PipelineTrainer:
             timeout = self.config.call_timeout
             async with asyncio.timeout(timeout):
                 conn = await self.peer.node.connect(address)  # a first dial is not latency
-            started = time.monotonic()
+            started = self._clock()
             reply = await conn.call(method, body, payload, timeout=timeout)
         finally:
             link.in_flight -= 1
-        link.observe(time.monotonic() - started, self.config.latency_smoothing)
+        link.observe(self._clock() - started, self.config.latency_smoothing)
         return reply
 
     # -- the commit ledger: keep each stage's micro-batch until its step counted it ----
@@ -372,7 +376,7 @@ class PipelineTrainer:
         self.stats.failed(reason)
         link = self._links.setdefault(address, LinkStats())
         link.failures += 1
-        link.avoid_until = time.monotonic() + self.config.avoid_s
+        link.avoid_until = self._clock() + self.config.avoid_s
         logger.info(
             "stage %d %s on %s failed (%s: %s); retrying", stage, what, address[:16], reason, exc
         )
@@ -393,7 +397,7 @@ class PipelineTrainer:
         """A peer of ``stage`` by the wiring rule; waits (pausing) while the stage has none."""
         waited_since: float | None = None
         while True:
-            now = time.monotonic()
+            now = self._clock()
             candidates = await self._stage_candidates(stage, force=waited_since is not None)
             chosen = choose_peer(
                 candidates,
@@ -410,7 +414,7 @@ class PipelineTrainer:
                     # every peer of the stage failed lately: retry, but not in a hot loop
                     await asyncio.sleep(self.config.retry_interval)
                 if waited_since is not None:
-                    paused = time.monotonic() - waited_since
+                    paused = self._clock() - waited_since
                     self.stats.paused_s += paused
                     self._waiting.pop(stage, None)
                     logger.warning("stage %d is served again after %.1f s", stage, paused)
@@ -432,7 +436,7 @@ class PipelineTrainer:
             await asyncio.sleep(self.config.retry_interval)
 
     async def _stage_candidates(self, stage: int, *, force: bool) -> list[Candidate]:
-        now = time.monotonic()
+        now = self._clock()
         cached = self._candidates.get(stage)
         if cached is not None and not force and now - cached[0] < self.config.refresh_interval:
             return cached[1]
@@ -444,7 +448,7 @@ class PipelineTrainer:
     def status(self) -> str:
         """A one-line status: stages without a peer, micro-batches, samples, retries."""
         paused = ", ".join(
-            f"stage {s} has no live peer ({time.monotonic() - t:.0f} s)"
+            f"stage {s} has no live peer ({self._clock() - t:.0f} s)"
             for s, t in sorted(self._waiting.items())
         )
         stats = self.stats

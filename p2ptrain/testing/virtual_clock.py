@@ -18,19 +18,26 @@ Only the loop's clock is virtual. Code that reads ``time.monotonic()`` or
 
 When nothing is ready and no timer is scheduled, the selector blocks on the
 real file descriptors (a thread finishing work wakes the loop through its
-self-pipe), as a real loop would.
+self-pipe), as a real loop would. While a job handed to an executor
+(``run_in_executor``, ``asyncio.to_thread``) runs, the clock stands still
+too: the selector blocks until the thread's result wakes the loop, so work
+in threads takes no virtual time either (otherwise the clock would race
+from timer to timer while the thread computes). A thread must therefore not
+wait for this loop to advance its clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import selectors
-from collections.abc import Coroutine, Mapping
-from typing import Any, TypeAlias, TypeVar
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, TypeAlias, TypeVar, TypeVarTuple
 
 __all__ = ["VirtualClockLoop", "run_virtual"]
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 FileDescriptorLike: TypeAlias = Any  # int or an object with fileno()
 
 
@@ -58,7 +65,7 @@ class _VirtualSelector(selectors.BaseSelector):
         ready = self._real.select(0)
         if ready:
             return ready
-        if timeout is None:
+        if timeout is None or (timeout > 0 and self._loop.threads_busy):
             return self._real.select(None)
         if timeout > 0:
             self._loop.advance(timeout)
@@ -80,8 +87,29 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, start: float = 0.0) -> None:
         self._virtual_now = float(start)
+        self._threads_busy = 0
         super().__init__(selector=_VirtualSelector(self))
         self._clock_resolution = 1e-9
+
+    @property
+    def threads_busy(self) -> int:
+        """Executor jobs started and not yet collected by the loop."""
+        return self._threads_busy
+
+    def run_in_executor(
+        self,
+        executor: concurrent.futures.Executor | None,
+        func: Callable[[*Ts], T],
+        *args: *Ts,
+    ) -> asyncio.Future[T]:
+        """As the base loop's; the clock stands still until the job's result is back."""
+        future = super().run_in_executor(executor, func, *args)
+        self._threads_busy += 1
+        future.add_done_callback(self._thread_done)
+        return future
+
+    def _thread_done(self, _: object) -> None:
+        self._threads_busy -= 1
 
     def time(self) -> float:
         """The virtual time in seconds."""

@@ -1,0 +1,258 @@
+"""One p2ptrain pipeline process of ``bench_pipeline.py``: a stage server or the trainer.
+
+    python benchmarks/_pipeline_peer.py trainer --run R [--join ADDR] [model flags] ...
+    python benchmarks/_pipeline_peer.py server --run R --join ADDR --stage S [--floor-s F]
+        [--rebalance-s P] [model flags]
+
+Both print JSON lines on stdout. The trainer (also the swarm's first DHT
+peer) prints ``{"address"}`` once, then one ``{"delivered", "time", "loss",
+"retries"}`` per completed micro-batch; in ``--lockstep`` mode it pushes one
+step's micro-batches at a time and waits until every stage announces the
+next global step (the loss comparison), else it keeps ``--in-flight``
+micro-batches going (throughput). A server prints ``{"ready"}`` and then,
+every second, ``{"stage", "samples_per_s", "step", "moves"}``; with
+``--rebalance-s`` it runs a :class:`p2ptrain.swarm.rebalance.Rebalancer`.
+A process ends when its stdin closes (or it is killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import threading
+import time
+
+import torch
+
+if not __package__:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._pipeline_model import PipelineModel, batch, block_factory
+from benchmarks._pipeline_torch import model_flags, model_from
+from p2ptrain.allreduce.matchmaking import MatchmakingConfig
+from p2ptrain.dht.node_config import DHTNodeConfig
+from p2ptrain.peer import Peer, PeerConfig
+from p2ptrain.swarm import (
+    PipelineModel as SwarmModel,
+)
+from p2ptrain.swarm import (
+    PipelineTrainer,
+    PipelineTrainerConfig,
+    StageServer,
+    StageServerConfig,
+    even_bounds,
+    read_stage,
+)
+from p2ptrain.swarm.rebalance import PeerLoad, RebalanceConfig, Rebalancer
+from p2ptrain.train.progress import ProgressConfig
+
+
+def swarm_model(model: PipelineModel) -> SwarmModel:
+    """The benchmark's model as the pipeline library takes it (same blocks, same seeds)."""
+    factories = tuple((lambda i=i: block_factory(model, i)) for i in range(model.depth))
+    return SwarmModel(factories, even_bounds(model.depth, model.stages), seed=model.seed)
+
+
+def _emit(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def _watch_stdin() -> tuple[threading.Event, threading.Event]:
+    """(a line arrived, stdin closed)."""
+    line, closed = threading.Event(), threading.Event()
+
+    def read() -> None:
+        for _ in sys.stdin:
+            line.set()
+        line.set()
+        closed.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return line, closed
+
+
+FAST_MATCHMAKING = MatchmakingConfig(
+    window=0.3,
+    poll_interval=0.05,
+    ready_timeout=2.0,
+    plan_timeout=5.0,
+    reduce_timeout=5.0,
+    round_timeout=10.0,
+)
+FAST_PROGRESS = ProgressConfig(
+    publish_interval=0.2,
+    heartbeat_interval=1.0,
+    expiration=5.0,
+    min_fetch_interval=0.1,
+    max_fetch_interval=0.5,
+)
+
+
+def _peer(join: str | None) -> Peer:
+    initial = (join,) if join else ()
+    peer = Peer(
+        PeerConfig(
+            nat=None,
+            probe_bytes=None,
+            matchmaking=FAST_MATCHMAKING,
+            dht=DHTNodeConfig(initial_peers=initial, request_timeout=2.0),
+        )
+    )
+    peer.start()
+    return peer
+
+
+async def _loads(peer: Peer, run: str, stages: int) -> list[PeerLoad]:
+    found = await asyncio.gather(*(read_stage(peer.dht, run, s) for s in range(stages)))
+    by_peer = {
+        str(a.peer_id): PeerLoad(str(a.peer_id), a.stage, a.samples_per_s, a.queue)
+        for entries in found
+        for a in entries
+    }
+    return list(by_peer.values())
+
+
+def serve(args: argparse.Namespace, model: PipelineModel) -> None:
+    peer = _peer(args.join)
+    server = StageServer(
+        peer=peer,
+        model=swarm_model(model),
+        stage=args.stage,
+        make_optimizer=lambda ps: torch.optim.SGD(ps, lr=model.lr),
+        config=StageServerConfig(
+            run_id=args.run,
+            target_batch_size=model.batch,
+            min_compute_s=args.floor_s,
+            progress=FAST_PROGRESS,
+            announce_interval=0.5,
+            announce_ttl=3.0,
+            step_interval=0.1,
+        ),
+    )
+    _, closed = _watch_stdin()
+    server.start()
+    _emit(ready=peer.address, pid=os.getpid())
+    rebalancing = None
+    if args.rebalance_s > 0:
+        rebalancer = Rebalancer(
+            me=str(peer.peer_id),
+            config=RebalanceConfig(stages=model.stages, period_s=args.rebalance_s),
+            read_loads=lambda: _loads(peer, args.run, model.stages),
+            move_to=server.move_to,
+            rng=random.Random(os.getpid()),
+        )
+        rebalancing = peer.submit(rebalancer.run())
+    while not closed.wait(1.0):
+        _emit(
+            stage=server.stage,
+            samples_per_s=server.samples_per_s,
+            step=server.global_step,
+            moves=server.stats.moves,
+            time=time.time(),
+        )
+    if rebalancing is not None:
+        rebalancing.cancel()
+    server.close()
+    peer.close()
+
+
+async def _steps_reached(peer: Peer, run: str, stages: int, step: int, timeout: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        found = await asyncio.gather(*(read_stage(peer.dht, run, s) for s in range(stages)))
+        if all(entries and min(a.step for a in entries) >= step for entries in found):
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"the stages did not all reach step {step}")
+
+
+async def _train(
+    args: argparse.Namespace, model: PipelineModel, trainer: PipelineTrainer, peer: Peer
+) -> None:
+    per = model.batch // model.microbatches
+
+    async def micro(step: int, index: int) -> None:
+        x, y = batch(model, step)
+        part = slice(index * per, (index + 1) * per)
+        loss = await trainer.train_micro_batch(x[part], y[part])
+        _emit(
+            step=step,
+            delivered=trainer.stats.samples_delivered,
+            time=time.time(),
+            loss=loss,
+            retries=trainer.stats.retries,
+        )
+
+    if args.lockstep:
+        for step in range(args.steps):
+            await asyncio.gather(*(micro(step, i) for i in range(model.microbatches)))
+            await _steps_reached(peer, args.run, model.stages, step + 1, timeout=60)
+        return
+    queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+    for step in range(args.steps):
+        for i in range(model.microbatches):
+            queue.put_nowait((step, i))
+
+    async def worker() -> None:
+        while not queue.empty():
+            await micro(*queue.get_nowait())
+
+    await asyncio.gather(*(worker() for _ in range(args.in_flight)))
+
+
+def train(args: argparse.Namespace, model: PipelineModel) -> None:
+    peer = _peer(args.join)
+    _emit(address=peer.address)
+    trainer = PipelineTrainer(
+        peer=peer,
+        config=PipelineTrainerConfig(
+            run_id=args.run,
+            num_stages=model.stages,
+            call_timeout=5.0,
+            retry_interval=0.1,
+            refresh_interval=0.5,
+        ),
+        loss=torch.nn.functional.mse_loss,
+        seed=0,
+    )
+    go, closed = _watch_stdin()
+    if args.wait_go:
+        go.wait()
+    future = peer.submit(_train(args, model, trainer, peer))
+    while not future.done() and not closed.is_set():
+        time.sleep(0.1)
+    if future.done():
+        future.result()
+    _emit(done=True, delivered=trainer.stats.samples_delivered, retries=trainer.stats.retries)
+    peer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("role", choices=("trainer", "server"), help="what this process runs")
+    parser.add_argument("--run", default="bench-pipeline", help="pipeline run id")
+    parser.add_argument("--join", default=None, help="a peer's address to join through")
+    parser.add_argument("--stage", type=int, default=0, help="server: the stage served first")
+    parser.add_argument("--floor-s", type=float, default=0.0, help="server: compute floor")
+    parser.add_argument("--rebalance-s", type=float, default=0.0, help="server: rebalance period")
+    parser.add_argument("--steps", type=int, default=20, help="trainer: steps to push")
+    parser.add_argument(
+        "--in-flight", type=int, default=8, help="trainer: concurrent micro-batches"
+    )
+    parser.add_argument("--lockstep", action="store_true", help="trainer: one step at a time")
+    parser.add_argument("--wait-go", action="store_true", help="trainer: start on a stdin line")
+    model_flags(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = model_from(args)
+    if args.role == "server":
+        serve(args, model)
+    else:
+        train(args, model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,670 @@
+"""SWARM pipeline training with many peers in one process, on the virtual clock.
+
+What runs as in production, over :class:`~p2ptrain.testing.simnet.SimNetwork`
+(per-peer link rates and round-trip times) on a
+:class:`~p2ptrain.testing.virtual_clock.VirtualClockLoop`:
+
+* every peer's :class:`~p2ptrain.node.node.Node` (handshake, RPC) and
+  :class:`~p2ptrain.dht.api.DHT`;
+* the stage directory (:func:`p2ptrain.swarm.directory.announce` and
+  :func:`~p2ptrain.swarm.directory.read_stage`, with its TTLs);
+* the trainers: :class:`p2ptrain.swarm.trainer.PipelineTrainer` (on the
+  virtual clock through its ``clock`` argument), its wiring rule, retries
+  and pause, calling the pipeline protocol (:mod:`p2ptrain.swarm.protocol`)
+  over the simulated links;
+* rebalancing: one :class:`p2ptrain.swarm.rebalance.Rebalancer` per stage
+  peer, reading the directory every period and moving its peer.
+
+What is stood in: the stage server. :class:`SimStageServer` answers the same
+``swarm.forward`` / ``swarm.backward`` / ``swarm.release`` messages with the
+real stage modules, but its device is a compute time on the virtual clock
+(the emulated speed, as ``StageServerConfig.min_compute_s`` emulates it in
+real processes) and it does no stage-wise averaging. The production
+:class:`~p2ptrain.swarm.server.StageServer` cannot run here: it is built on a
+:class:`~p2ptrain.peer.Peer` (an event loop in its own thread per peer) and
+computes in worker threads under wall-clock floors, which the virtual clock
+does not see. Its protocol, announcements and moves are the same.
+
+Throughput is what the trainers deliver (samples whose backward through
+stage 0 completed) per virtual second of each rebalancing period; the ideal
+is the live peers' summed speed divided by the number of stages (equal
+stages), which no assignment can beat.
+
+Example::
+
+    async def main() -> None:
+        async with SwarmSimulation(SwarmSimConfig(start=(40, 8, 8, 8))) as sim:
+            for period in await sim.run(10):
+                print(period.throughput, period.ideal, period.counts)
+
+    run_virtual(main())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from p2ptrain.dht.api import DHT
+from p2ptrain.dht.config import DHTConfig
+from p2ptrain.dht.node_config import DHTNodeConfig
+from p2ptrain.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    P2PTrainError,
+    UnavailableError,
+)
+from p2ptrain.node.config import NodeConfig
+from p2ptrain.node.node import Node
+from p2ptrain.rpc.handlers import CallContext, Message
+from p2ptrain.secure.identity import Identity, PeerID
+from p2ptrain.swarm.config import PipelineTrainerConfig
+from p2ptrain.swarm.directory import announce, read_stage_or_empty, withdraw
+from p2ptrain.swarm.protocol import (
+    BACKWARD_METHOD,
+    FORWARD_METHOD,
+    RELEASE_METHOD,
+    StageRequest,
+    encode_for_wire,
+    parse_request,
+)
+from p2ptrain.swarm.rebalance import (
+    PeerLoad,
+    RebalanceConfig,
+    Rebalancer,
+    newcomer_stage,
+)
+from p2ptrain.swarm.stages import PipelineModel
+from p2ptrain.swarm.trainer import PipelineTrainer
+from p2ptrain.testing.simnet import LinkProfile, SimEndpoint, SimNetwork
+from p2ptrain.testing.simulator import EPOCH, HOME_LINKS
+
+if TYPE_CHECKING:
+    from p2ptrain.peer import Peer
+
+__all__ = [
+    "PeriodResult",
+    "SimStageServer",
+    "SwarmSimConfig",
+    "SwarmSimulation",
+    "ideal_throughput",
+]
+
+logger = logging.getLogger(__name__)
+
+_FORWARD_SHARE = 1 / 3
+"""Share of a micro-batch's compute spent in forward (backward costs about twice)."""
+
+
+@dataclass(frozen=True)
+class SwarmSimConfig:
+    """A simulated pipeline swarm.
+
+    Attributes:
+        start: Stage peers serving each stage at the start (one entry per stage).
+        speed_spread: Fastest over slowest peer speed; each peer's speed is
+            drawn log-uniformly in ``[1, speed_spread]`` times the slowest.
+        compute_s: Seconds the slowest peer computes one micro-batch
+            (forward plus backward).
+        micro_batch: Samples per micro-batch.
+        width: Features of the model (one Linear block per stage).
+        trainers: Trainer peers.
+        in_flight: Micro-batches in flight over all trainers (0: four times
+            the number of stage peers, enough to keep every stage busy).
+        period_s: Rebalancing period (virtual seconds); throughput is
+            measured per period.
+        churn: Share of the stage peers that leave abruptly during each
+            period; as many new peers (with fresh speeds) join, at random
+            moments, on the stage :func:`~p2ptrain.swarm.rebalance.newcomer_stage` picks.
+        rebalance: Run the rebalancers (off: the start assignment stays).
+        queue_signal: What a stage peer announces as its queue: ``"held"``
+            (micro-batches whose backward is pending, as the production
+            server announces) or ``"compute"`` (calls waiting for its device).
+        min_gain: The rebalancing threshold (``RebalanceConfig.min_gain``).
+        announce_interval: Seconds between a stage peer's announcements.
+        announce_ttl: Seconds an announcement lives.
+        replicas: DHT replicas of each record (fewer: less traffic at scale).
+        links: (download, upload) Mbit/s choices, drawn uniformly per peer.
+        rtt_ms: Range of round-trip times to the core, drawn uniformly per peer.
+        seed: Seeds speeds, links, churn and the wiring.
+    """
+
+    start: tuple[int, ...] = (40, 8, 8, 8)
+    speed_spread: float = 1.0
+    compute_s: float = 3.0
+    micro_batch: int = 4
+    width: int = 8
+    trainers: int = 4
+    in_flight: int = 0
+    period_s: float = 60.0
+    churn: float = 0.0
+    rebalance: bool = True
+    queue_signal: str = "held"
+    min_gain: float = 0.05
+    announce_interval: float = 6.0
+    announce_ttl: float = 20.0
+    replicas: int = 3
+    links: tuple[tuple[float, float], ...] = HOME_LINKS
+    rtt_ms: tuple[float, float] = (20.0, 80.0)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.start or any(n < 1 for n in self.start):
+            raise ConfigError("start must give every stage at least one peer")
+        if not (math.isfinite(self.speed_spread) and self.speed_spread >= 1):
+            raise ConfigError("speed_spread must be >= 1")
+        for name in ("compute_s", "period_s", "announce_interval", "announce_ttl"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be positive, got {value!r}")
+        if self.micro_batch < 1 or self.width < 1 or self.trainers < 1 or self.in_flight < 0:
+            raise ConfigError("micro_batch, width and trainers must be >= 1, in_flight >= 0")
+        if not 0 <= self.churn < 1:
+            raise ConfigError("churn must be in [0, 1)")
+        if self.queue_signal not in ("held", "compute"):
+            raise ConfigError("queue_signal must be 'held' or 'compute'")
+        if self.replicas < 1:
+            raise ConfigError("replicas must be >= 1")
+        if not self.links:
+            raise ConfigError("links must not be empty")
+
+    @property
+    def stages(self) -> int:
+        """Number of stages."""
+        return len(self.start)
+
+
+@dataclass(frozen=True)
+class PeriodResult:
+    """One rebalancing period of a simulation.
+
+    Attributes:
+        period: Its index (0: before the first rebalancing decision).
+        throughput: Samples/s the trainers delivered during it.
+        ideal: Samples/s of the best assignment of the peers live at its end
+            (their summed speed over the number of stages).
+        counts: Peers serving each stage at its end.
+        capacity: Summed speed (samples/s) of each stage's peers at its end.
+        moves: Moves the rebalancers made during it.
+        killed: Stage peers that left during it.
+        retries: Trainer retries during it.
+        cpu_s: Wall seconds it took to simulate.
+    """
+
+    period: int
+    throughput: float
+    ideal: float
+    counts: tuple[int, ...]
+    capacity: tuple[float, ...]
+    moves: int
+    killed: int
+    retries: int
+    cpu_s: float
+
+    @property
+    def fraction(self) -> float:
+        """Throughput over the ideal."""
+        return self.throughput / self.ideal if self.ideal > 0 else 0.0
+
+
+def ideal_throughput(speeds: Sequence[float], stages: int) -> float:
+    """The best pipeline throughput of peers of these speeds over equal stages.
+
+    No assignment beats ``sum / stages``; a peer faster than that share
+    serves alone and the rest split the remaining stages, so the bound is
+    computed with those peers taken out.
+    """
+    ordered = sorted(speeds, reverse=True)
+    while stages > 0 and ordered and ordered[0] > sum(ordered) / stages:
+        ordered.pop(0)
+        stages -= 1
+    return sum(ordered) / stages if stages and ordered else 0.0
+
+
+class _Host:
+    """A node and its DHT on a simulated host."""
+
+    def __init__(
+        self, net: SimNetwork, host: str, link: LinkProfile, config: SwarmSimConfig
+    ) -> None:
+        self.host = host
+        self.endpoint: SimEndpoint = net.add_host(host, link)
+        self.node = Node(
+            identity=Identity.generate(),
+            config=NodeConfig(
+                host=host, dial_timeout=5.0, max_connections=512, memory_release_interval=0
+            ),
+            network=self.endpoint,
+        )
+        self.dht: DHT | None = None
+        self._config = config
+
+    @property
+    def address(self) -> str:
+        """``peerid@host:port``."""
+        return str(self.node.address)
+
+    async def start(self, initial_peers: Sequence[str]) -> DHT:
+        loop = asyncio.get_running_loop()
+        await self.node.start()
+        self.dht = DHT(
+            node=self.node,
+            config=DHTNodeConfig(
+                dht=DHTConfig(replicas=self._config.replicas),
+                initial_peers=tuple(initial_peers),
+            ),
+            clock=lambda: EPOCH + loop.time(),
+            rng=random.Random(self.host),
+        )
+        await self.dht.start()
+        return self.dht
+
+    async def aclose(self) -> None:
+        if self.dht is not None:
+            await self.dht.aclose()
+        await self.node.aclose()
+
+
+@dataclass
+class _Held:
+    x: torch.Tensor
+    y: torch.Tensor
+    stage: int
+
+
+class SimStageServer:
+    """A stage peer with an emulated device, speaking the pipeline protocol.
+
+    Args:
+        host: Its started host (node and DHT).
+        model: The pipeline's model.
+        stage: The stage it serves first.
+        compute_s: Virtual seconds it computes one micro-batch (forward plus backward).
+        run_id: The pipeline run.
+        config: The simulation (announcement timing).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: _Host,
+        model: PipelineModel,
+        stage: int,
+        compute_s: float,
+        run_id: str,
+        config: SwarmSimConfig,
+    ) -> None:
+        self.host = host
+        self.model = model
+        self.stage = stage
+        self.compute_s = compute_s
+        self.run_id = run_id
+        self._config = config
+        self.module = model.build_stage(stage)
+        self._busy = asyncio.Lock()
+        self._held: dict[tuple[PeerID, bytes], _Held] = {}
+        self._rate = 0.0
+        self._moving = False
+        self.samples_committed = 0
+        self.busy_s = 0.0
+        self._waiting = 0
+        self.moves = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def speed(self) -> float:
+        """Its true speed in samples/s (the simulation's knowledge, not announced)."""
+        return self._config.micro_batch / self.compute_s
+
+    @property
+    def queue_length(self) -> int:
+        """The queue it announces (see ``SwarmSimConfig.queue_signal``)."""
+        if self._config.queue_signal == "compute":
+            return self._waiting
+        return len(self._held)
+
+    @property
+    def peer(self) -> str:
+        """Its id as the rebalancing policy names it."""
+        return str(self.host.node.peer_id)
+
+    def start(self) -> None:
+        handlers = self.host.node.handlers
+        handlers.add_unary(FORWARD_METHOD, self._forward)
+        handlers.add_unary(BACKWARD_METHOD, self._backward)
+        handlers.add_unary(RELEASE_METHOD, self._release)
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._announce_loop()))
+
+    def add_task(self, task: asyncio.Task[None]) -> None:
+        """Own ``task`` (cancelled on :meth:`aclose`)."""
+        self._tasks.append(task)
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.host.aclose()
+
+    async def move_to(self, stage: int) -> None:
+        """Leave the current stage for ``stage``: drop held work, withdraw, announce anew."""
+        if stage == self.stage or self._moving:
+            return
+        dht = self._dht()
+        self._moving = True
+        try:
+            self._held.clear()
+            with contextlib.suppress(P2PTrainError):
+                await withdraw(dht, self.run_id, self.stage, ttl=self._config.announce_ttl)
+            async with self._busy:
+                self.module = self.model.build_stage(stage)
+                self.stage = stage
+            self.moves += 1
+        finally:
+            self._moving = False
+        await self._announce()
+
+    async def read_loads(self) -> list[PeerLoad]:
+        """Every stage's announced peers, as the rebalancing policy reads them."""
+        return await read_loads(self._dht(), self.run_id, self._config.stages)
+
+    def _dht(self) -> DHT:
+        if self.host.dht is None:
+            raise RuntimeError("the host is not started")
+        return self.host.dht
+
+    async def _announce_loop(self) -> None:
+        while True:
+            await self._announce()
+            await asyncio.sleep(self._config.announce_interval)
+
+    async def _announce(self) -> None:
+        if self._moving:
+            return
+        try:
+            await announce(
+                self._dht(),
+                self.run_id,
+                self.stage,
+                address=self.host.address,
+                samples_per_s=self._rate,
+                queue=self.queue_length,
+                step=0,
+                ttl=self._config.announce_ttl,
+            )
+        except P2PTrainError as exc:
+            logger.debug("announce failed: %s", exc)
+
+    def _check(self, message: Message, key: str) -> tuple[StageRequest, torch.Tensor]:
+        request = parse_request(message.body, message.payload, tensor_key=key, max_bytes=64 << 20)
+        if request.run != self.run_id:
+            raise InvalidArgumentError(f"this peer serves run {self.run_id!r}")
+        if self._moving or request.stage != self.stage:
+            raise UnavailableError(f"this peer serves stage {self.stage}, not {request.stage}")
+        if request.tensor is None:
+            raise InvalidArgumentError(f"the request carries no {key!r} tensor")
+        return request, request.tensor
+
+    async def _forward(self, ctx: CallContext, message: Message) -> Message:
+        request, tensor = self._check(message, "x")
+        stage = request.stage
+        x = tensor.detach().requires_grad_(True)
+        self._waiting += 1
+        async with self._busy:
+            self._waiting -= 1
+            if self.stage != stage:
+                raise UnavailableError("this peer moved to another stage")
+            with torch.enable_grad():
+                y = self.module(x)
+            await asyncio.sleep(self.compute_s * _FORWARD_SHARE)  # the emulated device
+            self.busy_s += self.compute_s * _FORWARD_SHARE
+        self._held[(ctx.peer, request.mb)] = _Held(x, y, stage)
+        header, view = encode_for_wire(y, "float32")
+        return Message({"y": header}, view)
+
+    async def _backward(self, ctx: CallContext, message: Message) -> Message:
+        request, grad_y = self._check(message, "g")
+        held = self._held.pop((ctx.peer, request.mb), None)
+        if held is None or held.stage != request.stage:
+            raise InvalidArgumentError("no forward of this micro-batch is held here")
+        self._waiting += 1
+        async with self._busy:
+            self._waiting -= 1
+            if self.stage != request.stage:
+                raise UnavailableError("this peer moved to another stage")
+            (grad_x,) = torch.autograd.grad(held.y, [held.x], grad_y)
+            await asyncio.sleep(self.compute_s * (1 - _FORWARD_SHARE))
+            self.busy_s += self.compute_s * (1 - _FORWARD_SHARE)
+        self.samples_committed += request.samples
+        rate = request.samples / self.compute_s
+        self._rate = rate if self._rate == 0 else self._rate + 0.2 * (rate - self._rate)
+        header, view = encode_for_wire(grad_x, "float32")
+        return Message({"g": header}, view)
+
+    async def _release(self, ctx: CallContext, message: Message) -> Message:
+        request = parse_request(message.body, message.payload, tensor_key=None, max_bytes=0)
+        self._held.pop((ctx.peer, request.mb), None)
+        return Message({})
+
+
+async def read_loads(dht: DHT, run_id: str, stages: int) -> list[PeerLoad]:
+    """Every stage's announcements from the directory, as :class:`PeerLoad` (one per peer)."""
+    found = await asyncio.gather(*(read_stage_or_empty(dht, run_id, s) for s in range(stages)))
+    loads: dict[str, PeerLoad] = {}
+    for entries in found:
+        for a in entries:
+            load = PeerLoad(str(a.peer_id), a.stage, a.samples_per_s, a.queue)
+            loads[load.peer] = load  # a peer that just moved may linger under its old stage
+    return list(loads.values())
+
+
+class _TrainerPeer:
+    """What :class:`PipelineTrainer` uses of a peer: its node and DHT."""
+
+    def __init__(self, host: _Host) -> None:
+        self.node = host.node
+        self.dht = host.dht
+
+
+@dataclass
+class _Counters:
+    delivered: int = 0
+    retries: int = 0
+    moves: int = 0
+    killed: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+class SwarmSimulation:
+    """Stage peers, trainers and rebalancers on one :class:`SimNetwork`; use ``async with``."""
+
+    RUN_ID = "sim-pipeline"
+
+    def __init__(self, config: SwarmSimConfig) -> None:
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.net = SimNetwork(rng=random.Random(config.seed + 1))
+        width = config.width
+        self.model = PipelineModel.even(
+            [lambda: nn.Linear(width, width)] * config.stages, config.stages, seed=config.seed
+        )
+        self.servers: list[SimStageServer] = []
+        self.trainers: list[PipelineTrainer] = []
+        self._bootstrap: _Host | None = None
+        self._trainer_hosts: list[_Host] = []
+        self._workers: list[asyncio.Task[None]] = []
+        self._hosts = 0
+        self._periods = 0
+        self._dead_moves = 0
+        self._torch = torch.Generator().manual_seed(config.seed)
+
+    async def __aenter__(self) -> SwarmSimulation:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _new_host(self) -> _Host:
+        self._hosts += 1
+        down, up = self.rng.choice(self.config.links)
+        low, high = self.config.rtt_ms
+        link = LinkProfile.mbit(down, up, self.rng.uniform(low, high))
+        n = self._hosts
+        return _Host(self.net, f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}", link, self.config)
+
+    def _draw_compute_s(self) -> float:
+        spread = self.config.speed_spread
+        speedup = math.exp(self.rng.uniform(0.0, math.log(spread))) if spread > 1 else 1.0
+        return self.config.compute_s / speedup
+
+    async def start(self) -> None:
+        """Start the bootstrap, the stage peers (in waves), the trainers and their workers."""
+        cfg = self.config
+        self._bootstrap = self._new_host()
+        await self._bootstrap.start(())
+        stages = [s for s, n in enumerate(cfg.start) for _ in range(n)]
+        wave = 32
+        for i in range(0, len(stages), wave):
+            started = await asyncio.gather(*(self._start_server(s) for s in stages[i : i + wave]))
+            self.servers += started
+        for _ in range(cfg.trainers):
+            host = self._new_host()
+            await host.start([self._bootstrap.address])
+            self._trainer_hosts.append(host)
+            trainer = PipelineTrainer(
+                peer=cast("Peer", _TrainerPeer(host)),
+                config=PipelineTrainerConfig(
+                    run_id=self.RUN_ID,
+                    num_stages=cfg.stages,
+                    call_timeout=60 * cfg.compute_s,
+                    refresh_interval=cfg.announce_interval,
+                ),
+                loss=nn.functional.mse_loss,
+                seed=self.rng.randrange(1 << 30),
+                clock=asyncio.get_running_loop().time,
+            )
+            self.trainers.append(trainer)
+        in_flight = cfg.in_flight or 4 * sum(cfg.start)
+        loop = asyncio.get_running_loop()
+        for i in range(in_flight):
+            trainer = self.trainers[i % len(self.trainers)]
+            self._workers.append(loop.create_task(self._work(trainer)))
+
+    async def _start_server(self, stage: int) -> SimStageServer:
+        if self._bootstrap is None:
+            raise RuntimeError("not started")
+        host = self._new_host()
+        await host.start([self._bootstrap.address])
+        server = SimStageServer(
+            host=host,
+            model=self.model,
+            stage=stage,
+            compute_s=self._draw_compute_s(),
+            run_id=self.RUN_ID,
+            config=self.config,
+        )
+        server._rate = server.speed  # a started server measured its device once
+        server.start()
+        if self.config.rebalance:
+            rebalancer = Rebalancer(
+                me=server.peer,
+                config=RebalanceConfig(
+                    stages=self.config.stages,
+                    period_s=self.config.period_s,
+                    min_gain=self.config.min_gain,
+                ),
+                read_loads=server.read_loads,
+                move_to=server.move_to,
+                rng=random.Random(self.rng.randrange(1 << 30)),
+            )
+            server.add_task(asyncio.get_running_loop().create_task(rebalancer.run()))
+        return server
+
+    async def _work(self, trainer: PipelineTrainer) -> None:
+        cfg = self.config
+        while True:
+            x = torch.randn(cfg.micro_batch, cfg.width, generator=self._torch)
+            y = torch.randn(cfg.micro_batch, cfg.width, generator=self._torch)
+            try:
+                await trainer.train_micro_batch(x, y)
+            except P2PTrainError as exc:  # a stage paused past its wait: try again
+                logger.debug("micro-batch failed: %s", exc)
+
+    async def aclose(self) -> None:
+        """Stop the workers and every peer."""
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        hosts = [s.aclose() for s in self.servers]
+        hosts += [h.aclose() for h in self._trainer_hosts]
+        if self._bootstrap is not None:
+            hosts.append(self._bootstrap.aclose())
+        await asyncio.gather(*hosts, return_exceptions=True)
+
+    async def _kill(self, server: SimStageServer, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self.net.kill(server.host.host)
+        self._dead_moves += server.moves
+        await server.aclose()
+
+    async def _join(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self._bootstrap is None or self._bootstrap.dht is None:
+            return
+        loads = await read_loads(self._bootstrap.dht, self.RUN_ID, self.config.stages)
+        server = await self._start_server(newcomer_stage(loads, self.config.stages))
+        self.servers.append(server)
+
+    async def period(self) -> PeriodResult:
+        """Run one rebalancing period (with its churn) and measure it."""
+        cfg = self.config
+        wall = time.perf_counter()
+        delivered = sum(t.stats.samples_delivered for t in self.trainers)
+        retries = sum(t.stats.retries for t in self.trainers)
+        moves = sum(s.moves for s in self.servers) + self._dead_moves
+        victims = self.rng.sample(self.servers, round(cfg.churn * len(self.servers)))
+        churn = [
+            asyncio.get_running_loop().create_task(self._kill(v, self.rng.uniform(0, cfg.period_s)))
+            for v in victims
+        ]
+        churn += [
+            asyncio.get_running_loop().create_task(self._join(self.rng.uniform(0, cfg.period_s)))
+            for _ in victims
+        ]
+        await asyncio.sleep(cfg.period_s)
+        await asyncio.gather(*churn, return_exceptions=True)
+        self.servers = [s for s in self.servers if s not in victims]
+        counts = [0] * cfg.stages
+        capacity = [0.0] * cfg.stages
+        for s in self.servers:
+            counts[s.stage] += 1
+            capacity[s.stage] += s.speed
+        result = PeriodResult(
+            period=self._periods,
+            throughput=(sum(t.stats.samples_delivered for t in self.trainers) - delivered)
+            / cfg.period_s,
+            ideal=ideal_throughput([s.speed for s in self.servers], cfg.stages),
+            counts=tuple(counts),
+            capacity=tuple(capacity),
+            moves=sum(s.moves for s in self.servers) + self._dead_moves - moves,
+            killed=len(victims),
+            retries=sum(t.stats.retries for t in self.trainers) - retries,
+            cpu_s=time.perf_counter() - wall,
+        )
+        self._periods += 1
+        return result
+
+    async def run(self, periods: int) -> list[PeriodResult]:
+        """Run ``periods`` periods; each result as measured."""
+        return [await self.period() for _ in range(periods)]
