@@ -1,6 +1,6 @@
 """SWARM pipeline training against ``torch.distributed.pipelining``, all in one run.
 
-    python benchmarks/bench_pipeline.py [--width 2048] [--steps 10] [--skip-sim] [--png F]
+    python -m benchmarks.bench_pipeline [--width 2048] [--steps 10] [--skip-sim] [--png F]
 
 Parts (each in real processes on loopback unless it says simulated):
 
@@ -30,17 +30,14 @@ printed above it).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
 
-if not __package__:  # run as a script: make the benchmarks package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import DefaultsHelpFormatter, emit_json, format_table
-from benchmarks._pipeline_baseline import single_process, torch_kill, torch_pipeline
-from benchmarks._pipeline_model import PipelineModel
-from benchmarks._pipeline_swarm import kill_recovery, lockstep_losses, rebalance_real, samples_per_s
+from benchmarks.harness import DefaultsHelpFormatter, emit_json, format_table
+from benchmarks.pipeline.baseline import single_process, torch_kill, torch_pipeline
+from benchmarks.pipeline.model import PipelineModel
+from benchmarks.pipeline.swarm import kill_recovery, lockstep_losses, rebalance_real, samples_per_s
 
 
 def _parser() -> argparse.ArgumentParser:

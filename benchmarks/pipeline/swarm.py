@@ -1,4 +1,4 @@
-"""p2ptrain's side of ``bench_pipeline.py``: real processes of ``_pipeline_peer.py`` on loopback.
+"""p2ptrain's side of ``bench_pipeline.py``: real processes of ``peer.py`` on loopback.
 
 :class:`Swarm` starts the trainer (the swarm's first DHT peer) and stage
 servers, each a process; the functions measure samples/s without faults,
@@ -12,16 +12,14 @@ import os
 import signal
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from benchmarks._common import JsonChild
-from benchmarks._pipeline_model import PipelineModel
+from benchmarks.harness import JsonChild
+from benchmarks.pipeline.model import PipelineModel
 
 __all__ = ["Swarm", "kill_recovery", "lockstep_losses", "rebalance_real", "samples_per_s"]
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "benchmarks" / "_pipeline_peer.py"
+WORKER = "benchmarks.pipeline.peer"
 
 
 class Swarm:
@@ -41,7 +39,6 @@ class Swarm:
         self.trainer = JsonChild(
             WORKER,
             ["trainer", f"--run={run}", "--wait-go", *trainer_args, *model.args()],
-            root=ROOT,
             stderr=self._log,
         )
         self.servers: list[JsonChild] = []
@@ -57,7 +54,7 @@ class Swarm:
     def add_server(self, stage: int) -> JsonChild:
         """Start one more server on ``stage`` and wait until it serves."""
         server = JsonChild(
-            WORKER, ["server", f"--stage={stage}", *self._server_args], root=ROOT, stderr=self._log
+            WORKER, ["server", f"--stage={stage}", *self._server_args], stderr=self._log
         )
         self.servers.append(server)
         server.wait_for("ready", 120)

@@ -1,6 +1,6 @@
 """The baselines of ``bench_pipeline.py``: ``torch.distributed.pipelining`` and one process.
 
-:func:`torch_pipeline` runs one process per stage (``_pipeline_torch.py``,
+:func:`torch_pipeline` runs one process per stage (``torch_stage.py``,
 gloo on loopback) and measures samples/s over the steps after the warm-up;
 :func:`torch_kill` kills one stage process with SIGKILL mid-run and reports
 what the others do within a bound; :func:`single_process` trains the whole
@@ -14,17 +14,15 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from benchmarks._common import JsonChild
-from benchmarks._pipeline_model import PipelineModel, batch, build_blocks
+from benchmarks.harness import JsonChild
+from benchmarks.pipeline.model import PipelineModel, batch, build_blocks
 
 __all__ = ["TorchRun", "single_process", "torch_kill", "torch_pipeline"]
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "benchmarks" / "_pipeline_torch.py"
+WORKER = "benchmarks.pipeline.torch_stage"
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,6 @@ def _start(model: PipelineModel, steps: int, schedule: str) -> list[JsonChild]:
                 f"--schedule={schedule}",
                 *model.args(),
             ],
-            root=ROOT,
             stderr=open(os.devnull, "wb"),
         )
         for rank in range(model.stages)

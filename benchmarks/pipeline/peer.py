@@ -1,7 +1,7 @@
 """One p2ptrain pipeline process of ``bench_pipeline.py``: a stage server or the trainer.
 
-    python benchmarks/_pipeline_peer.py trainer --run R [--join ADDR] [model flags] ...
-    python benchmarks/_pipeline_peer.py server --run R --join ADDR --stage S [--floor-s F]
+    python benchmarks/pipeline/peer.py trainer --run R [--join ADDR] [model flags] ...
+    python benchmarks/pipeline/peer.py server --run R --join ADDR --stage S [--floor-s F]
         [--rebalance-s P] [model flags]
 
 Both print JSON lines on stdout. The trainer (also the swarm's first DHT
@@ -28,10 +28,8 @@ import time
 
 import torch
 
-if not __package__:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._pipeline_model import PipelineModel, batch, block_factory
-from benchmarks._pipeline_torch import model_flags, model_from
+from benchmarks.pipeline.model import PipelineModel, batch, block_factory
+from benchmarks.pipeline.torch_stage import model_flags, model_from
 from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.peer import Peer, PeerConfig

@@ -1,8 +1,8 @@
 """One stage process of the ``torch.distributed.pipelining`` baseline (gloo, CPU).
 
-    python benchmarks/_pipeline_torch.py --rank R --port P --steps N [model flags]
+    python benchmarks/pipeline/torch_stage.py --rank R --port P --steps N [model flags]
 
-Rank ``r`` holds stage ``r`` of :mod:`benchmarks._pipeline_model`; the world
+Rank ``r`` holds stage ``r`` of :mod:`benchmarks.pipeline.model`; the world
 size is the number of stages. Every step runs the chosen schedule over the
 step's micro-batches and an SGD step on the stage. The first and the last rank
 print one JSON line per step: ``{"rank", "step", "time", "loss"}`` (the loss
@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-if not __package__:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._pipeline_model import PipelineModel, batch, stage_module
+from benchmarks.pipeline.model import PipelineModel, batch, stage_module
 
 
 def model_flags(parser: argparse.ArgumentParser) -> None:
