@@ -251,7 +251,16 @@ class StageServer:
                 self.peer.run(self._aclose(), timeout=10)
         state = self._state
         if state is not None:
-            self._hand_over(state)
+            pending = state.pending
+            try:
+                self._hand_over(state)
+            except P2PTrainError as exc:  # e.g. the peer's node is gone: nobody to average with
+                logger.warning(
+                    "stage %d: the last %d samples could not be handed over at close: %s",
+                    state.index,
+                    pending,
+                    exc,
+                )
             state.copt.close()
         self._compute.shutdown(wait=True)
         self._stepper.shutdown(wait=True)

@@ -480,9 +480,10 @@ def _receipt(reply: Message) -> tuple[str, int] | None:
 
 
 def _gone(seen: Receipts | None) -> Receipts:
-    """A vanished server's receipts: what it last said was counted; everything else lost."""
+    """A vanished server's receipts: what it last said was counted; everything else lost
+    (every commit, when it vanished before it ever answered)."""
     if seen is None:
-        return Receipts("", 0, ())
+        return Receipts("", 0, ((1, 1 << 62),))
     return Receipts(
         seen.incarnation, seen.contributed, (*seen.lost, (seen.contributed + 1, 1 << 62))
     )

@@ -260,8 +260,15 @@ class TCPListener:
 
     @property
     def port(self) -> int:
-        """The bound port (the first socket's)."""
-        return self.addresses[0][1]
+        """The bound port (the first socket's).
+
+        Raises:
+            ConnectionClosedError: The listener is closed (it has no socket).
+        """
+        addresses = self.addresses
+        if not addresses:
+            raise ConnectionClosedError("the listener is closed")
+        return addresses[0][1]
 
     async def aclose(self) -> None:
         """Stop accepting connections (existing ones stay open)."""

@@ -78,3 +78,21 @@ def test_blocks_are_cut_evenly_and_bad_partitions_are_refused() -> None:
         even_bounds(2, 3)
     with pytest.raises(ConfigError, match="bounds"):
         PipelineModel((lambda: None,) * 2, (0, 2, 2))  # type: ignore[arg-type, return-value]
+
+
+def test_a_server_that_vanished_before_it_ever_answered_lost_every_commit() -> None:
+    # Its passes must be replayed, not wait forever as "pending" (the trainer had
+    # seen no receipts of it when it died).
+    from p2ptrain.swarm.trainer import _gone
+
+    never_seen = _gone(None)
+    assert [never_seen.fate(seq) for seq in (1, 2, 10_000)] == ["lost"] * 3
+    seen = Receipts("inc", 4, ((2, 2),))
+    after = _gone(seen)
+    assert [after.fate(seq) for seq in (1, 2, 4, 5, 99)] == [
+        "counted",
+        "lost",
+        "counted",
+        "lost",
+        "lost",
+    ]
