@@ -45,10 +45,14 @@ def test_a_skewed_swarm_rebalances_through_the_directory_and_delivers_more() -> 
 def test_without_rebalancing_the_bottleneck_stays() -> None:
     periods = _run(3, start=(3, 1), rebalance=False, seed=2)
     assert all(p.counts == (3, 1) and p.moves == 0 for p in periods)
-    # one peer of 4 samples/s serves stage 1: the pipeline cannot beat it (a period's
-    # count may hold one micro-batch of 4 samples that the previous one computed)
-    assert all(p.throughput <= 4.0 + 4 / 20 + 1e-9 for p in periods)
-    assert periods[-1].throughput > 3.0
+    # One peer of 4 samples/s serves stage 1: the pipeline cannot beat it. A period
+    # counts micro-batches when the trainer's backward ends, so one may hold the few
+    # (pipeline depth: 2 stages + the trainer) that stage 1 finished the period before;
+    # over the whole run those boundary shifts cancel but for the last period's.
+    throughputs = [p.throughput for p in periods]
+    assert all(t <= 4.0 + 3 * 4 / 20 + 1e-9 for t in throughputs), throughputs
+    assert sum(throughputs) / len(throughputs) <= 4.0 + 3 * 4 / (20 * 3) + 1e-9, throughputs
+    assert periods[-1].throughput > 3.0, throughputs
 
 
 def test_churn_replaces_the_peers_that_leave_and_no_stage_stays_empty() -> None:
