@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from p2ptrain.errors import ConfigError
 
-__all__ = ["ThroughputConfig", "ThroughputMeter"]
+__all__ = ["MovingAverage", "ThroughputConfig", "ThroughputMeter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +56,20 @@ class ThroughputConfig:
                 raise ConfigError(f"{name} must be None or positive and finite, got {value!r}")
 
 
-class _Average:
+class MovingAverage:
+    """An exponentially weighted moving average; the first sample is taken as it is.
+
+    Attributes:
+        value: The average (``None`` before the first sample).
+        samples: Samples seen.
+    """
+
     def __init__(self) -> None:
         self.value: float | None = None
         self.samples = 0
 
     def update(self, sample: float, smoothing: float) -> None:
+        """Move the average ``smoothing`` of the way towards ``sample``."""
         if self.value is None:
             self.value = sample
         else:
@@ -78,8 +86,8 @@ class ThroughputMeter:
 
     def __init__(self, config: ThroughputConfig | None = None) -> None:
         self.config = config or ThroughputConfig()
-        self._upload = _Average()
-        self._download = _Average()
+        self._upload = MovingAverage()
+        self._download = MovingAverage()
 
     def record_upload(self, nbytes: int, seconds: float) -> None:
         """Record that ``nbytes`` were sent in ``seconds``."""
@@ -106,7 +114,7 @@ class ThroughputMeter:
         """How many upload and download samples were averaged."""
         return self._upload.samples, self._download.samples
 
-    def _record(self, average: _Average, nbytes: int, seconds: float) -> None:
+    def _record(self, average: MovingAverage, nbytes: int, seconds: float) -> None:
         if nbytes < 0 or not seconds >= 0:
             raise ConfigError("bytes and seconds must be >= 0")
         if nbytes < self.config.min_bytes or seconds < self.config.min_seconds or seconds == 0:

@@ -58,6 +58,7 @@ from p2ptrain.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from p2ptrain.measure.meters import MovingAverage
 from p2ptrain.peer import Peer
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import PeerID
@@ -190,8 +191,8 @@ class StageServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._address = ""
         self._past_receipts: dict[str, Receipts] = {}  # of stages this server left
-        self._rate = 0.0
-        self._forward_s = 0.0
+        self._rate = MovingAverage()  # samples/s of forward plus backward
+        self._forward_s = MovingAverage()
         self.stats = StageServerStats()
         self._closed = False
         self.on_event: Callable[[str, int], None] | None = None
@@ -315,7 +316,7 @@ class StageServer:
     @property
     def samples_per_s(self) -> float:
         """Measured compute throughput (forward plus backward), samples per second."""
-        return self._rate
+        return self._rate.value or 0.0
 
     @property
     def queue_length(self) -> int:
@@ -450,7 +451,7 @@ class StageServer:
                 self.config.run_id,
                 state.index,
                 address=self._address,
-                samples_per_s=self._rate,
+                samples_per_s=self.samples_per_s,
                 queue=len(self._held),
                 step=state.copt.global_step,
                 ttl=self.config.announce_ttl,
@@ -557,11 +558,7 @@ class StageServer:
             step = state.copt.global_step
         self._floor(started)
         elapsed = time.perf_counter() - started
-        self._forward_s = (
-            elapsed
-            if self._forward_s == 0
-            else (self._forward_s + _RATE_SMOOTHING * (elapsed - self._forward_s))
-        )
+        self._forward_s.update(elapsed, _RATE_SMOOTHING)
         return x, y, step
 
     def _floor(self, started: float) -> None:
@@ -632,9 +629,8 @@ class StageServer:
         return (grads[0].detach() if wants_x else None), seq
 
     def _observe_rate(self, samples: int, backward_s: float) -> None:
-        seconds = max(backward_s + self._forward_s, 1e-6)
-        rate = samples / seconds
-        self._rate = rate if self._rate == 0 else self._rate + _RATE_SMOOTHING * (rate - self._rate)
+        seconds = max(backward_s + (self._forward_s.value or 0.0), 1e-6)
+        self._rate.update(samples / seconds, _RATE_SMOOTHING)
 
     async def _receipts(self, ctx: CallContext, message: Message) -> Message:
         body = message.body

@@ -64,6 +64,7 @@ from p2ptrain.errors import (
     P2PTrainError,
     UnavailableError,
 )
+from p2ptrain.measure.meters import MovingAverage
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.handlers import CallContext, Message
@@ -313,7 +314,7 @@ class SimStageServer:
         self.module = model.build_stage(stage)
         self._busy = asyncio.Lock()
         self._held: dict[tuple[PeerID, bytes], _Held] = {}
-        self._rate = 0.0
+        self._rate = MovingAverage()  # samples/s, as the real server measures it
         self._moving = False
         self.samples_committed = 0
         self.busy_s = 0.0
@@ -397,7 +398,7 @@ class SimStageServer:
                 self.run_id,
                 self.stage,
                 address=self.host.address,
-                samples_per_s=self._rate,
+                samples_per_s=self._rate.value or 0.0,
                 queue=self.queue_length,
                 step=0,
                 ttl=self._config.announce_ttl,
@@ -446,8 +447,7 @@ class SimStageServer:
             await asyncio.sleep(self.compute_s * (1 - _FORWARD_SHARE))
             self.busy_s += self.compute_s * (1 - _FORWARD_SHARE)
         self.samples_committed += request.samples
-        rate = request.samples / self.compute_s
-        self._rate = rate if self._rate == 0 else self._rate + 0.2 * (rate - self._rate)
+        self._rate.update(request.samples / self.compute_s, 0.2)
         header, view = encode_for_wire(grad_x, "float32")
         return Message({"g": header}, view)
 
@@ -574,7 +574,7 @@ class SwarmSimulation:
             run_id=self.RUN_ID,
             config=self.config,
         )
-        server._rate = server.speed  # a started server measured its device once
+        server._rate.update(server.speed, 1.0)  # a started server measured its device once
         server.start()
         if self.config.rebalance:
             rebalancer = Rebalancer(
