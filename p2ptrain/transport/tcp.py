@@ -25,7 +25,8 @@ from p2ptrain.errors import (
     TransportTimeoutError,
 )
 from p2ptrain.transport.base import FrameTransport
-from p2ptrain.wire.frames import Frame, FrameDecoder, PayloadAllocator
+from p2ptrain.transport.pacing import BULK_FRAME_BYTES, SendPacer, kernel_unsent_bytes
+from p2ptrain.wire.frames import Frame, FrameDecoder, PayloadAllocator, buffer_nbytes
 
 __all__ = ["TCPListener", "TCPTransport", "tcp_connect", "tcp_listen"]
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 _READ_CHUNK = 256 * 1024
 _FIRST_READ_CHUNK = 16 * 1024  # grown to _READ_CHUNK once a read fills it (authenticated)
 _DIRECT_READ_MIN = 64 * 1024  # read straight into payloads at least this large
+_SMALL_FRAME_HEADROOM = 4  # small frames wait only past this many high-water marks
 
 
 class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
@@ -61,6 +63,9 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         self._may_grow = False  # set once the peer is authenticated
         self._reading_direct = False
         self._peername = "?"
+        self._fileno: int | None = None  # for the kernel's unsent-bytes count
+        self.pacer = SendPacer()
+        self._bulk_turn = asyncio.Lock()  # bulk frames are written one at a time, in order
         self.connected = asyncio.Event()
         if max_handshake_frame_bytes is not None:
             self.limit_frames_until_authenticated(max_handshake_frame_bytes)
@@ -77,6 +82,10 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         if sock is not None:
             with contextlib.suppress(OSError):  # not every socket supports it
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with contextlib.suppress(OSError, ValueError):
+                fileno = sock.fileno()
+                if kernel_unsent_bytes(fileno) is not None:
+                    self._fileno = fileno
         self.connected.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -141,9 +150,38 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         return self._peername
 
     async def send_frame(self, frame: Frame) -> int:
-        if not self._can_write.is_set():
-            await self._can_write.wait()
-        return self.send_frame_nowait(frame)
+        if buffer_nbytes(frame.payload) < BULK_FRAME_BYTES:
+            # A small frame skips the bulk frames' wait; it waits only when the buffer
+            # is far over its mark (a flood of small frames), which bounds memory.
+            transport = self._transport
+            if (
+                not self._can_write.is_set()
+                and transport is not None
+                and transport.get_write_buffer_size()
+                > _SMALL_FRAME_HEADROOM * self._write_high_water
+            ):
+                await self._can_write.wait()
+            return self.send_frame_nowait(frame)
+        async with self._bulk_turn:
+            if not self._can_write.is_set():
+                await self._can_write.wait()
+            # The kernel signals no event when its unsent bytes fall below a level
+            # (the event loop owns the socket's writability): poll, at the drain time.
+            while (delay := self._pace()) > 0:  # noqa: ASYNC110
+                await asyncio.sleep(delay)
+            return self.send_frame_nowait(frame)
+
+    def _pace(self) -> float:
+        """Seconds a bulk frame should wait for the queue below to drain (0: write now)."""
+        transport = self._transport
+        if self._fileno is None or transport is None or self.closed:
+            return 0.0
+        unsent = kernel_unsent_bytes(self._fileno)
+        if unsent is None:
+            return 0.0
+        queued = transport.get_write_buffer_size() + unsent
+        self.pacer.observe(asyncio.get_running_loop().time(), self.stats.bytes_sent, queued)
+        return self.pacer.wait_s(queued)
 
     async def drained(self) -> None:
         if not self._can_write.is_set():

@@ -1,0 +1,194 @@
+"""Send pacing: the pure drain-rate state, the kernel's unsent count, and a shaped link."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from p2ptrain.errors import ConfigError
+from p2ptrain.testing.natlab.plugin import require_netns
+from p2ptrain.testing.starlab import LinkSpec, StarLab
+from p2ptrain.transport.pacing import SendPacer, kernel_unsent_bytes
+
+# -- the pure state --------------------------------------------------------------------
+
+
+def _drain(pacer: SendPacer, *, rate: float, queued: int, seconds: float, step: float) -> None:
+    """Feed ``pacer`` a link that drains ``rate`` bytes/s while ``queued`` bytes wait."""
+    written = queued
+    now = 0.0
+    while now <= seconds:
+        pacer.observe(now, written, queued)
+        now += step
+        written += int(rate * step)  # the writer refills what drained
+
+
+def test_without_a_rate_nothing_waits() -> None:
+    pacer = SendPacer()
+    assert pacer.rate is None
+    assert pacer.wait_s(50 << 20) == 0.0
+    assert pacer.delays == 0
+
+
+def test_the_rate_is_learned_from_intervals_with_a_queue() -> None:
+    pacer = SendPacer(target_s=0.02, floor_bytes=64 * 1024)
+    _drain(pacer, rate=6_000_000, queued=2_000_000, seconds=0.5, step=0.01)
+    assert pacer.rate == pytest.approx(6_000_000, rel=0.02)
+    assert pacer.limit_bytes() == pytest.approx(max(64 * 1024, 6_000_000 * 0.02), rel=0.02)
+    wait = pacer.wait_s(2_000_000)
+    assert 0.001 <= wait <= 0.02  # never longer than the target: the link may speed up
+    assert pacer.delays == 1
+    assert pacer.wait_s(100_000) == 0.0  # below the limit: write now
+
+
+def test_an_empty_queue_starts_a_new_interval() -> None:
+    """When the queue runs dry the application set the pace: that interval is not a sample."""
+    pacer = SendPacer(min_interval_s=0.005)
+    pacer.observe(0.0, 1_000_000, 500_000)
+    pacer.observe(1.0, 1_000_000, 0)  # drained, then idle for a long time
+    pacer.observe(2.0, 3_000_000, 500_000)
+    assert pacer.rate is None  # no queued interval yet: 0..2 s held an idle gap
+    pacer.observe(2.1, 3_100_000, 100_000)
+    assert pacer.rate == pytest.approx(5_000_000)  # 0.5 MB drained in 0.1 s
+
+
+def test_the_floor_keeps_slow_links_full() -> None:
+    pacer = SendPacer(target_s=0.02, floor_bytes=128 * 1024)
+    _drain(pacer, rate=100_000, queued=1_000_000, seconds=1.0, step=0.01)
+    assert pacer.limit_bytes() == 128 * 1024  # 2 kB of target would starve the link
+    assert pacer.wait_s(128 * 1024) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"target_s": 0.0}, {"floor_bytes": -1}, {"min_interval_s": 0}, {"smoothing": 1.5}],
+)
+def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        SendPacer(**kwargs)  # type: ignore[arg-type]
+
+
+# -- the kernel's count ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIOCOUTQNSD is Linux's")
+def test_kernel_unsent_bytes_counts_what_a_stalled_peer_has_not_taken() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    try:
+        assert kernel_unsent_bytes(client.fileno()) == 0
+        client.setblocking(False)
+        sent = 0
+        try:
+            while sent < 64 << 20:  # the peer never reads: fill both buffers
+                sent += client.send(b"x" * 65536)
+        except BlockingIOError:
+            pass
+        unsent = kernel_unsent_bytes(client.fileno())
+        assert unsent is not None and 0 < unsent <= sent
+    finally:
+        for sock in (client, peer, server):
+            sock.close()
+    assert kernel_unsent_bytes(client.fileno()) is None  # closed: -1 is no socket
+
+
+# -- a shaped link ---------------------------------------------------------------------
+
+_PEER = """
+import asyncio, json, sys, time
+from p2ptrain import aio
+from p2ptrain.node.address import PeerAddress
+from p2ptrain.node.config import NodeConfig
+from p2ptrain.node.node import Node
+from p2ptrain.testing.echo import echo
+
+async def sink(context, stream):
+    total = 0
+    async for message in stream:
+        total += len(message.payload)
+    await stream.send({"n": total}, end=True)
+
+async def serve(host):
+    async with Node(config=NodeConfig(host=host)) as node:
+        node.handlers.add_unary("echo", echo)
+        node.handlers.add_stream("sink", sink)
+        print(node.address, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+async def measure(address, mib):
+    address = PeerAddress.parse(address)
+    async with Node(config=NodeConfig()) as node:
+        await node.connect(address)
+        sending = True
+        latencies = []
+        async def ping():
+            while sending:
+                start = time.monotonic()
+                await node.call(address, "echo", {"ping": 1})
+                latencies.append(time.monotonic() - start)
+                await asyncio.sleep(0.05)
+        pinger = asyncio.create_task(ping())
+        payload = memoryview(bytearray(1 << 20))
+        start = time.monotonic()
+        stream = await node.open_stream(address, "sink")
+        async with stream:
+            for i in range(mib):
+                await stream.send({"i": i}, payload, end=i == mib - 1)
+            total = (await stream.recv()).body["n"]
+        seconds = time.monotonic() - start
+        sending = False
+        await pinger
+        latencies.sort()
+        pacer = node.connections()[0].transport.pacer
+        print(json.dumps({"bytes": total, "seconds": seconds, "delays": pacer.delays,
+                          "median": latencies[len(latencies) // 2], "count": len(latencies)}))
+
+if sys.argv[1] == "serve":
+    aio.run(serve(sys.argv[2]))
+else:
+    aio.run(measure(sys.argv[2], int(sys.argv[3])))
+"""
+
+
+@pytest.mark.slow
+def test_small_calls_do_not_queue_behind_bulk_data_on_a_slow_uplink() -> None:
+    """50 Mbit/s up: a 1 MiB-frame stream runs at the link's rate while echo calls stay fast.
+
+    Unpaced, the calls waited behind the event loop's and the kernel's send
+    buffers: 650 ms median (1 s worst) on this link; paced, about 125 ms,
+    most of it the rest of the 1 MiB frame being written.
+    """
+    require_netns()
+    mib = 24
+    with StarLab([LinkSpec(50, 100), LinkSpec(50, 100)]) as lab:
+        server = subprocess.Popen(
+            lab.argv(1, [sys.executable, "-c", _PEER, "serve", lab.host_address(1)]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert server.stdout is not None
+            address = server.stdout.readline().strip()
+            done = subprocess.run(
+                lab.argv(0, [sys.executable, "-c", _PEER, "measure", address, str(mib)]),
+                capture_output=True,
+                text=True,
+                timeout=90,
+                check=False,
+            )
+        finally:
+            server.communicate(timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["bytes"] == mib << 20
+    link_bytes_per_s = LinkSpec(50, 100).upload_bytes_per_s
+    assert result["bytes"] / result["seconds"] >= 0.85 * link_bytes_per_s  # pacing costs no rate
+    assert result["median"] < 0.25, result
+    assert result["count"] >= 8  # the median of a few calls at least
+    assert result["delays"] > 0  # the pacer held bulk frames
