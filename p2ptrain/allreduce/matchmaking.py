@@ -51,6 +51,7 @@ from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import PeerID
 
 __all__ = [
+    "MIN_CHUNK_ELEMENTS",
     "BalancedPlan",
     "Balancer",
     "Matchmaker",
@@ -58,6 +59,9 @@ __all__ = [
     "plan_from_wire",
     "plan_to_wire",
 ]
+
+MIN_CHUNK_ELEMENTS = 1 << 16
+"""The smallest chunk a plan is cut into (256 KiB of float32), however slow the links."""
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +84,12 @@ class MatchmakingConfig:
         plan_timeout: seconds after the window a member waits for a plan.
         reduce_timeout: the plan's reduce timeout (see GroupPlan).
         round_timeout: the plan's round timeout (see GroupPlan).
-        chunk_elements: the plan's chunk size in elements.
+        chunk_elements: the plan's largest chunk, in elements.
+        chunk_seconds: a chunk is cut smaller, down to :data:`MIN_CHUNK_ELEMENTS`,
+            so that it takes at most about this long on the slowest member's
+            announced upload: a chunk is one frame, and a small message on the
+            same connection (a request, a flow-control credit, the next
+            round's matchmaking) waits behind the frame being sent.
     """
 
     target_group_size: int = 64
@@ -92,11 +101,12 @@ class MatchmakingConfig:
     reduce_timeout: float = 30.0
     round_timeout: float = 60.0
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    chunk_seconds: float = 0.05
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_group_size <= self.target_group_size:
             raise ConfigError("need 1 <= min_group_size <= target_group_size")
-        for name in ("window", "poll_interval", "ready_timeout", "plan_timeout"):
+        for name in ("window", "poll_interval", "ready_timeout", "plan_timeout", "chunk_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive")
         if not 0 < self.reduce_timeout < self.round_timeout:
@@ -344,11 +354,18 @@ class Matchmaker:
             [GroupMember(c.peer_id, c.address) for c in members],
             balanced.shares,
             num_elements,
-            chunk_elements=cfg.chunk_elements,
+            chunk_elements=self._chunk_elements(members, vector_bytes / max(1, num_elements)),
             reduce_timeout=cfg.reduce_timeout,
             round_timeout=cfg.round_timeout,
             predicted_time=balanced.round_time_s if math.isfinite(balanced.round_time_s) else None,
         )
+
+    def _chunk_elements(self, members: list[_Candidate], bytes_per_element: float) -> int:
+        """The plan's chunk: ``chunk_seconds`` of the slowest announced upload, within bounds."""
+        cfg = self.config
+        slowest = min(c.capacity.upload_bytes_per_s for c in members)
+        fits = int(slowest * cfg.chunk_seconds / max(bytes_per_element, 1.0))
+        return min(cfg.chunk_elements, max(MIN_CHUNK_ELEMENTS, fits))
 
     async def _is_ready(self, candidate: _Candidate, key: str) -> bool:
         if candidate.address is None:

@@ -12,6 +12,7 @@ import torch
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.group import GroupPlan
 from p2ptrain.allreduce.matchmaking import (
+    MIN_CHUNK_ELEMENTS,
     Balancer,
     Matchmaker,
     MatchmakingConfig,
@@ -199,3 +200,25 @@ async def test_an_expected_size_ends_gathering_but_keeps_every_announced_peer(
         await peer.matchmaker._announce(key)
     candidates = await swarm[0].matchmaker._gather(key, expected=2)
     assert {c.peer_id for c in candidates} == {p.node.peer_id for p in swarm[:3]}
+
+
+async def test_chunks_are_cut_to_the_slowest_uplink() -> None:
+    """A chunk is one frame: on a 6.25 MB/s uplink it takes chunk_seconds, not 0.7 s."""
+    first = await start_peer(())
+    slow = await start_peer((str(first.node.address),), upload=6.25e6)
+    fast = await start_peer((str(first.node.address),))
+    peers = [first, slow, fast]
+    try:
+        plans = await asyncio.gather(
+            *(p.matchmaker.form_group("run/chunks", num_elements=4 << 20) for p in peers)
+        )
+        fits = int(6.25e6 * FAST.chunk_seconds / 4)  # float32 elements in 50 ms
+        assert {plan.chunk_elements for plan in plans} == {max(MIN_CHUNK_ELEMENTS, fits)}
+        alone = [first, fast]  # without the slow peer the configured chunk stands
+        plans = await asyncio.gather(
+            *(p.matchmaker.form_group("run/chunks-2", num_elements=4 << 20) for p in alone)
+        )
+        assert {plan.chunk_elements for plan in plans} == {FAST.chunk_elements}
+    finally:
+        for peer in peers:
+            await peer.aclose()
