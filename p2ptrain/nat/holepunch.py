@@ -133,6 +133,7 @@ async def _open_from_listen_port(
                 max_header_bytes=conn.max_header_bytes,
                 write_high_water=conn.write_high_water,
                 path=path,
+                pace_target_s=conn.pace_target_s,
             )
             await loop.create_connection(lambda: transport, sock=sock)
     except TimeoutError as exc:

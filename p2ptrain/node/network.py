@@ -85,6 +85,7 @@ class TCPNetwork:
             write_high_water=limits.write_high_water,
             reuse_port=reuse_port,
             max_handshake_frame_bytes=limits.max_handshake_frame_bytes,
+            pace_target_s=limits.pace_target_s,
         )
 
     async def connect(
@@ -98,4 +99,5 @@ class TCPNetwork:
             max_header_bytes=limits.max_header_bytes,
             write_high_water=limits.write_high_water,
             max_handshake_frame_bytes=limits.max_handshake_frame_bytes,
+            pace_target_s=limits.pace_target_s,
         )

@@ -21,6 +21,12 @@ class ConnectionConfig:
         stream_window: bytes a peer may send on one stream before we acknowledge them.
         max_streams: streams the remote may have open at once on one connection.
         write_high_water: send-buffer size at which senders start to wait.
+        pace_target_s: TCP only: a bulk frame (a payload of 64 KiB or more) is
+            written once the bytes queued below it (send buffer plus the
+            kernel's unsent bytes) would drain within this many seconds at
+            the connection's measured rate, so that small frames never queue
+            behind megabytes (:mod:`p2ptrain.transport.pacing`); None turns
+            pacing off.
         handshake_timeout: seconds a new connection has to finish the handshake.
         idle_timeout: seconds without open streams after which a connection closes.
         keepalive_interval: seconds of silence from the remote after which a PING
@@ -69,6 +75,7 @@ class ConnectionConfig:
     stream_window: int = 32 * MiB
     max_streams: int = 1024
     write_high_water: int = 1 * MiB
+    pace_target_s: float | None = 0.02
     handshake_timeout: float = 10.0
     idle_timeout: float = 300.0
     keepalive_interval: float = 15.0
@@ -112,6 +119,7 @@ class ConnectionConfig:
             check_integer(f"{owner}.{name}", getattr(self, name), at_least=1024)
         for name in ("connection_reserve_bytes", "connection_reserve_streams"):
             check_integer(f"{owner}.{name}", getattr(self, name), at_least=0)
+        check_number(f"{owner}.pace_target_s", self.pace_target_s, allow_none=True)
         for name in (
             "handshake_timeout",
             "idle_timeout",

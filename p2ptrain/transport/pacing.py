@@ -37,10 +37,13 @@ import sys
 from p2ptrain.errors import ConfigError
 from p2ptrain.validate import check_integer, check_number
 
-__all__ = ["BULK_FRAME_BYTES", "SendPacer", "kernel_unsent_bytes"]
+__all__ = ["BULK_FRAME_BYTES", "DEFAULT_PACE_TARGET_S", "SendPacer", "kernel_unsent_bytes"]
 
 BULK_FRAME_BYTES = 64 * 1024
 """Frames whose payload is at least this large are paced; smaller ones never wait."""
+
+DEFAULT_PACE_TARGET_S = 0.02
+"""Drain time of the bytes queued below a bulk frame before it is written (20 ms)."""
 
 _SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent
 
@@ -72,7 +75,7 @@ class SendPacer:
     def __init__(
         self,
         *,
-        target_s: float = 0.02,
+        target_s: float = DEFAULT_PACE_TARGET_S,
         floor_bytes: int = 128 * 1024,
         min_interval_s: float = 0.005,
         smoothing: float = 0.25,

@@ -25,7 +25,12 @@ from p2ptrain.errors import (
     TransportTimeoutError,
 )
 from p2ptrain.transport.base import FrameTransport
-from p2ptrain.transport.pacing import BULK_FRAME_BYTES, SendPacer, kernel_unsent_bytes
+from p2ptrain.transport.pacing import (
+    BULK_FRAME_BYTES,
+    DEFAULT_PACE_TARGET_S,
+    SendPacer,
+    kernel_unsent_bytes,
+)
 from p2ptrain.wire.frames import Frame, FrameDecoder, PayloadAllocator, buffer_nbytes
 
 __all__ = ["TCPListener", "TCPTransport", "tcp_connect", "tcp_listen"]
@@ -49,6 +54,7 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         write_high_water: int,
         path: str = "tcp-direct",
         max_handshake_frame_bytes: int | None = None,
+        pace_target_s: float | None = DEFAULT_PACE_TARGET_S,
     ) -> None:
         FrameTransport.__init__(self)
         self.path = path
@@ -64,7 +70,8 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         self._reading_direct = False
         self._peername = "?"
         self._fileno: int | None = None  # for the kernel's unsent-bytes count
-        self.pacer = SendPacer()
+        self.pacer = None if pace_target_s is None else SendPacer(target_s=pace_target_s)
+        """Paces bulk frames (None: pacing is off)."""
         self._bulk_turn = asyncio.Lock()  # bulk frames are written one at a time, in order
         self.connected = asyncio.Event()
         if max_handshake_frame_bytes is not None:
@@ -174,7 +181,7 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
     def _pace(self) -> float:
         """Seconds a bulk frame should wait for the queue below to drain (0: write now)."""
         transport = self._transport
-        if self._fileno is None or transport is None or self.closed:
+        if self.pacer is None or self._fileno is None or transport is None or self.closed:
             return 0.0
         unsent = kernel_unsent_bytes(self._fileno)
         if unsent is None:
@@ -210,11 +217,13 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
 
 
 def _make_transport_factory(
+    *,
     max_frame_bytes: int,
     max_header_bytes: int,
     write_high_water: int,
     path: str,
     max_handshake_frame_bytes: int | None = None,
+    pace_target_s: float | None = DEFAULT_PACE_TARGET_S,
 ) -> Callable[[], TCPTransport]:
     def factory() -> TCPTransport:
         return TCPTransport(
@@ -223,6 +232,7 @@ def _make_transport_factory(
             write_high_water=write_high_water,
             path=path,
             max_handshake_frame_bytes=max_handshake_frame_bytes,
+            pace_target_s=pace_target_s,
         )
 
     return factory
@@ -239,6 +249,7 @@ async def tcp_connect(
     local_addr: tuple[str, int] | None = None,
     path: str = "tcp-direct",
     max_handshake_frame_bytes: int | None = None,
+    pace_target_s: float | None = DEFAULT_PACE_TARGET_S,
 ) -> TCPTransport:
     """Open a TCP connection and return its frame transport.
 
@@ -249,7 +260,12 @@ async def tcp_connect(
     """
     loop = asyncio.get_running_loop()
     factory = _make_transport_factory(
-        max_frame_bytes, max_header_bytes, write_high_water, path, max_handshake_frame_bytes
+        max_frame_bytes=max_frame_bytes,
+        max_header_bytes=max_header_bytes,
+        write_high_water=write_high_water,
+        path=path,
+        max_handshake_frame_bytes=max_handshake_frame_bytes,
+        pace_target_s=pace_target_s,
     )
     sock: socket.socket | None = None
     try:
@@ -324,11 +340,17 @@ async def tcp_listen(
     write_high_water: int,
     reuse_port: bool = False,
     max_handshake_frame_bytes: int | None = None,
+    pace_target_s: float | None = DEFAULT_PACE_TARGET_S,
 ) -> TCPListener:
     """Listen on ``host:port`` (port 0 picks one) and report each new transport."""
     loop = asyncio.get_running_loop()
     base = _make_transport_factory(
-        max_frame_bytes, max_header_bytes, write_high_water, "tcp-direct", max_handshake_frame_bytes
+        max_frame_bytes=max_frame_bytes,
+        max_header_bytes=max_header_bytes,
+        write_high_water=write_high_water,
+        path="tcp-direct",
+        max_handshake_frame_bytes=max_handshake_frame_bytes,
+        pace_target_s=pace_target_s,
     )
 
     def factory() -> TCPTransport:
