@@ -7,6 +7,7 @@ Usage::
         [--png PATH] [--json-only]
         [--no-webrtc] [--webrtc-seconds 4] [--webrtc-loss-seconds 20]
         [--webrtc-repeats 6] [--webrtc-loss-repeats 3]
+        [--no-shaped] [--shaped-mib 24] [--shaped-repeats 3]
 
 For every *path* a server runs in its own OS process (this script again, in a
 hidden ``--role server`` mode) and the client side runs in this process, over
@@ -43,6 +44,17 @@ loss through the tun shim), runs interleaved (``--webrtc-repeats`` and
 ``--webrtc-loss-repeats`` per variant); see
 ``benchmarks/bench_webrtc.py``, whose code this reuses and which also runs
 the ablation.
+
+Then send pacing on a shaped home uplink (root; skipped with a message
+otherwise): two hosts of the star lab at 50 Mbit/s up, 100 down; one streams
+``--shaped-mib`` MiB in 1 MiB frames to the other while making an echo call
+every 50 ms, with p2ptrain's default pacing and with it off
+(``pace_target_s=None``), alternating, ``--shaped-repeats`` each
+(:mod:`p2ptrain.testing.bulk_echo`). The table shows the stream's rate and
+the calls' median and 90th-percentile latency; JSON keys
+``shaped_echo_ms_paced``, ``shaped_echo_ms_unpaced`` (medians of the runs'
+medians), ``shaped_echo_p90_ms_paced``, ``shaped_echo_p90_ms_unpaced``,
+``shaped_bulk_MBps_paced``, ``shaped_bulk_MBps_unpaced``.
 
 On a shared machine wall-clock figures swing from run to run; the CPU columns
 are steadier, and when both processes compete for the cores the throughput
@@ -101,7 +113,9 @@ from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.handshake import perform_handshake
+from p2ptrain.testing import bulk_echo
 from p2ptrain.testing.natlab.netns import lab_unavailable
+from p2ptrain.testing.starlab import LinkSpec, StarLab
 from p2ptrain.transport.tcp import tcp_connect
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor
 
@@ -739,6 +753,45 @@ def measure_webrtc(args: argparse.Namespace) -> WebRTCOutcome:
     return WebRTCOutcome(cells=cells)
 
 
+SHAPED_LINK = LinkSpec(50, 100)
+
+
+def measure_shaped(args: argparse.Namespace) -> dict[str, Any]:
+    """Echo latency during a bulk stream on a shaped uplink, paced and unpaced (JSON fields)."""
+    if not args.shaped:
+        return {"shaped_skipped": "--no-shaped"}
+    reason = lab_unavailable()
+    if reason is not None:
+        print(f"shaped rows skipped: the lab {reason}", file=sys.stderr, flush=True)
+        return {"shaped_skipped": reason}
+    _log(args.json_only, f"shaped part (root; --no-shaped leaves it out): {args.shaped_mib} MiB")
+    runs: dict[str, list[dict[str, Any]]] = {"paced": [], "unpaced": []}
+    with StarLab([SHAPED_LINK, SHAPED_LINK]) as lab:
+        for _ in range(args.shaped_repeats):
+            for mode, results in runs.items():
+                results.append(bulk_echo.run_in_lab(lab, args.shaped_mib, paced=mode == "paced"))
+    out: dict[str, Any] = {}
+    rows = []
+    for mode, results in runs.items():
+        mbps = median([r["bytes"] / r["seconds"] / 2**20 for r in results])
+        echo_ms = median([1000 * r["median"] for r in results])
+        p90_ms = median([1000 * r["p90"] for r in results])
+        out[f"shaped_bulk_MBps_{mode}"] = round(mbps, 3)
+        out[f"shaped_echo_ms_{mode}"] = round(echo_ms, 1)
+        out[f"shaped_echo_p90_ms_{mode}"] = round(p90_ms, 1)
+        rows.append((mode, f"{mbps:.2f}", f"{echo_ms:.0f}", f"{p90_ms:.0f}"))
+    if not args.json_only:
+        print(
+            f"\nsend pacing: {SHAPED_LINK.upload_mbit:g} Mbit/s uplink, a {args.shaped_mib} MiB "
+            f"stream in 1 MiB frames, an echo call every 50 ms; median of "
+            f"{args.shaped_repeats} runs each"
+        )
+        print(format_table(["pacing", "stream MiB/s", "echo median ms", "echo p90 ms"], rows))
+        ratio = out["shaped_echo_ms_unpaced"] / max(out["shaped_echo_ms_paced"], 1e-9)
+        print(f"echo median, unpaced/paced: {ratio:.1f}x")
+    return out
+
+
 def _print_all_paths(
     args: argparse.Namespace, summaries: dict[str, dict[str, Any]], webrtc: WebRTCOutcome
 ) -> None:
@@ -955,6 +1008,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=bench_webrtc.DEFAULT_REPEATS["lossy"],
         help="WebRTC runs per variant, lossy path",
     )
+    parser.add_argument(
+        "--shaped",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "also measure send pacing on a shaped 50 Mbit/s uplink in the star lab "
+            "(root; about 30 s with the defaults; --no-shaped leaves it out)"
+        ),
+    )
+    parser.add_argument("--shaped-mib", type=int, default=24, help="MiB per shaped run")
+    parser.add_argument("--shaped-repeats", type=int, default=3, help="shaped runs per mode")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     parser.add_argument(
         "--role", choices=["bench", "server"], default="bench", help=argparse.SUPPRESS
@@ -973,6 +1037,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         min(args.webrtc_seconds, args.webrtc_loss_seconds) <= 0
     ):
         parser.error("--webrtc-repeats and the WebRTC durations must be positive")
+    if args.shaped_mib < 1 or args.shaped_repeats < 1:
+        parser.error("--shaped-mib and --shaped-repeats must be positive")
     if args.uvloop and not uvloop_available():
         parser.error("uvloop is not installed")
     args.zero_copy_decode = None
@@ -994,7 +1060,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             addresses[key] = server.address
         results = run(measure(args, addresses), use_uvloop=args.uvloop)
     webrtc = measure_webrtc(args)
-    emit_json(report(args, results, webrtc))
+    shaped = measure_shaped(args)
+    emit_json({**report(args, results, webrtc), **shaped})
     return 0
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import socket
-import subprocess
 import sys
 
 import pytest
 
 from p2ptrain.errors import ConfigError
+from p2ptrain.testing.bulk_echo import run_in_lab
 from p2ptrain.testing.natlab.plugin import require_netns
 from p2ptrain.testing.starlab import LinkSpec, StarLab
 from p2ptrain.transport.pacing import SendPacer, kernel_unsent_bytes
@@ -99,90 +98,6 @@ def test_kernel_unsent_bytes_counts_what_a_stalled_peer_has_not_taken() -> None:
 
 # -- a shaped link ---------------------------------------------------------------------
 
-_PEER = """
-import asyncio, json, sys, time
-from p2ptrain import aio
-from p2ptrain.node.address import PeerAddress
-from p2ptrain.node.config import NodeConfig
-from p2ptrain.node.node import Node
-from p2ptrain.rpc.config import ConnectionConfig
-from p2ptrain.testing.echo import echo
-
-async def sink(context, stream):
-    total = 0
-    async for message in stream:
-        total += len(message.payload)
-    await stream.send({"n": total}, end=True)
-
-async def serve(host):
-    async with Node(config=NodeConfig(host=host)) as node:
-        node.handlers.add_unary("echo", echo)
-        node.handlers.add_stream("sink", sink)
-        print(node.address, flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-
-async def measure(address, mib, paced):
-    address = PeerAddress.parse(address)
-    pace = ConnectionConfig().pace_target_s if paced else None
-    async with Node(config=NodeConfig(connection=ConnectionConfig(pace_target_s=pace))) as node:
-        await node.connect(address)
-        sending = True
-        latencies = []
-        async def ping():
-            while sending:
-                start = time.monotonic()
-                await node.call(address, "echo", {"ping": 1})
-                latencies.append(time.monotonic() - start)
-                await asyncio.sleep(0.05)
-        pinger = asyncio.create_task(ping())
-        payload = memoryview(bytearray(1 << 20))
-        start = time.monotonic()
-        stream = await node.open_stream(address, "sink")
-        async with stream:
-            for i in range(mib):
-                await stream.send({"i": i}, payload, end=i == mib - 1)
-            total = (await stream.recv()).body["n"]
-        seconds = time.monotonic() - start
-        sending = False
-        await pinger
-        latencies.sort()
-        pacer = node.connections()[0].transport.pacer
-        delays = 0 if pacer is None else pacer.delays
-        print(json.dumps({"bytes": total, "seconds": seconds, "delays": delays,
-                          "median": latencies[len(latencies) // 2], "count": len(latencies)}))
-
-if sys.argv[1] == "serve":
-    aio.run(serve(sys.argv[2]))
-else:
-    aio.run(measure(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "paced"))
-"""
-
-
-def _echo_during_bulk(lab: StarLab, mib: int, mode: str) -> dict[str, float]:
-    """Host 0 streams ``mib`` MiB to host 1 in 1 MiB frames and times echo calls meanwhile."""
-    server = subprocess.Popen(
-        lab.argv(1, [sys.executable, "-c", _PEER, "serve", lab.host_address(1)]),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        address = server.stdout.readline().strip()
-        done = subprocess.run(
-            lab.argv(0, [sys.executable, "-c", _PEER, "measure", address, str(mib), mode]),
-            capture_output=True,
-            text=True,
-            timeout=90,
-            check=False,
-        )
-    finally:
-        server.communicate(timeout=30)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result: dict[str, float] = json.loads(done.stdout)
-    assert result["bytes"] == mib << 20
-    return result
-
 
 @pytest.mark.slow
 def test_small_calls_do_not_queue_behind_bulk_data_on_a_slow_uplink() -> None:
@@ -195,9 +110,10 @@ def test_small_calls_do_not_queue_behind_bulk_data_on_a_slow_uplink() -> None:
     require_netns()
     link = LinkSpec(50, 100)
     with StarLab([link, link]) as lab:
-        paced = _echo_during_bulk(lab, 24, "paced")
-        unpaced = _echo_during_bulk(lab, 24, "unpaced")
+        paced = run_in_lab(lab, 24, paced=True)
+        unpaced = run_in_lab(lab, 24, paced=False)
     for result in (paced, unpaced):
+        assert result["bytes"] == 24 << 20
         assert result["bytes"] / result["seconds"] >= 0.85 * link.upload_bytes_per_s
         assert result["count"] >= 5  # the median of a few calls at least
     assert unpaced["delays"] == 0
