@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from p2ptrain.app.processes import ChildProcess, check_stop, cli_argv
 from p2ptrain.errors import ConfigError, MissingDependencyError
 
 if TYPE_CHECKING:
@@ -207,120 +205,6 @@ class SwarmDemoResult:
         )
 
 
-class _Process:
-    """A child process whose stdout (JSON lines) and stderr are read by threads."""
-
-    def __init__(self, argv: Sequence[str], run: PeerRun | None, origin: float) -> None:
-        self.run = run
-        if run is not None:
-            run.started = True
-        self.origin = origin
-        self.lines: list[str] = []
-        self.eof = False
-        self._changed = threading.Condition()
-        self.process = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            process_group=0,  # Ctrl-C in a terminal reaches the demo, which stops its peers
-        )
-        self._threads = [
-            threading.Thread(target=self._read_stdout, daemon=True),
-            threading.Thread(target=self._read_stderr, daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _read_stdout(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            arrived = time.monotonic() - self.origin
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                if self.run is not None:
-                    try:
-                        event = json.loads(line)
-                    except json.JSONDecodeError:
-                        event = None
-                    if isinstance(event, dict):
-                        event["t"] = arrived
-                        self.run.events.append(event)
-                self._changed.notify_all()
-        with self._changed:
-            self.eof = True
-            self._changed.notify_all()
-
-    def _read_stderr(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            if self.run is not None:
-                self.run.stderr = [*self.run.stderr[-40:], line.rstrip("\n")]
-
-    def wait_for_line(
-        self, marker: str, timeout: float, stop: threading.Event | None = None
-    ) -> str:
-        """The first stdout line containing ``marker``.
-
-        Raises:
-            KeyboardInterrupt: ``stop`` was set first.
-        """
-        deadline = time.monotonic() + timeout
-        found = False
-        with self._changed:
-            while not found and time.monotonic() < deadline:
-                _check_stop(stop)
-                found = self._changed.wait_for(
-                    lambda: (
-                        any(marker in line for line in self.lines)
-                        or self.process.poll() is not None
-                    ),
-                    min(0.1, max(0.0, deadline - time.monotonic())),  # to look at stop
-                )
-            for line in self.lines:
-                if marker in line:
-                    return line
-        why = "timed out" if not found else f"exited ({self.process.poll()})"
-        raise ConfigError(f"a demo process {why} before printing {marker!r}")
-
-    def wait(self, timeout: float) -> int | None:
-        """Wait for the process to exit; kill it after ``timeout`` seconds."""
-        try:
-            code: int | None = self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            code = None
-        for thread in self._threads:
-            thread.join(5)
-        return code
-
-    def stop(self) -> None:
-        """Terminate (then kill) the process if it still runs."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def _check_stop(stop: threading.Event | None) -> None:
-    """Before any peer trains, a stop interrupts the demo (the caller stops the processes).
-
-    It is raised here, at a known point, rather than by the signal handler, so
-    that no process can be started and not yet recorded when it comes.
-    """
-    if stop is not None and stop.is_set():
-        raise KeyboardInterrupt
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "p2ptrain.app.cli", *args]
-
-
 def _train_argv(
     config: SwarmDemoConfig, run: PeerRun, join: str, seconds: float, host: str = "127.0.0.1"
 ) -> list[str]:
@@ -329,7 +213,7 @@ def _train_argv(
         if config.shaped  # measured, never told
         else ["--upload-mbit", f"{run.upload_mbit:g}", "--download-mbit", f"{run.download_mbit:g}"]
     )
-    return _cli(
+    return cli_argv(
         "train",
         "--join",
         join,
@@ -390,8 +274,8 @@ def run_swarm_demo(
     """
     demo = _Demo(config, out, stop if stop is not None else threading.Event())
     demo.describe_links()
-    argv = demo.wrap(0, _cli("bootstrap", "--port", "0", "--host", demo.host(0)))
-    boot = _Process(argv, None, demo.origin)
+    argv = demo.wrap(0, cli_argv("bootstrap", "--port", "0", "--host", demo.host(0)))
+    boot: ChildProcess[PeerRun] = ChildProcess(argv, None, demo.origin)
     try:
         demo.train(boot, began)
     finally:
@@ -432,7 +316,7 @@ class _Demo:
             )
             for i in range(config.peers)
         )
-        self.processes: list[_Process] = []
+        self.processes: list[ChildProcess[PeerRun]] = []
         self.lab = _shaped_lab(config, self.runs) if config.shaped else None
 
     def say(self, text: str) -> None:
@@ -459,7 +343,7 @@ class _Demo:
                 "only by measurement"
             )
 
-    def train(self, boot: _Process, began: threading.Event | None) -> None:
+    def train(self, boot: ChildProcess[PeerRun], began: threading.Event | None) -> None:
         """Start the peers (the last one late), show their progress, and end them."""
         config, stop, runs, origin = self.config, self.stop, self.runs, self.origin
         line = boot.wait_for_line("--join", _STARTUP_TIMEOUT, stop)
@@ -473,11 +357,11 @@ class _Demo:
         )
         for i, run in enumerate(early):
             run.launched = time.monotonic() - origin
-            _check_stop(stop)
+            check_stop(stop)
             argv = self.wrap(
                 i + 1, _train_argv(config, run, join, config.seconds, self.host(i + 1))
             )
-            self.processes.append(_Process(argv, run, origin))
+            self.processes.append(ChildProcess(argv, run, origin))
         # The late peer starts a while after the first peers train, and is told
         # to stop (SIGTERM: a clean end with a summary) when they are done.
         first_start = _wait_for_start(self.processes, _STARTUP_TIMEOUT, stop)
@@ -492,7 +376,7 @@ class _Demo:
             late.launched = time.monotonic() - origin
             seconds = config.seconds + _STARTUP_TIMEOUT
             argv = _train_argv(config, late, join, seconds, self.host(len(runs)))
-            self.processes.append(_Process(self.wrap(len(runs), argv), late, origin))
+            self.processes.append(ChildProcess(self.wrap(len(runs), argv), late, origin))
             live.say(f"{late.name} starts late at {late.launched:.0f} s")
         self._finish(live, first_start, len(early))
 
@@ -525,7 +409,7 @@ class _Demo:
 
 
 def _wait_for_start(
-    processes: Sequence[_Process], timeout: float, stop: threading.Event | None = None
+    processes: Sequence[ChildProcess[PeerRun]], timeout: float, stop: threading.Event | None = None
 ) -> float:
     """When the first peer started training; fails with each peer's own error line.
 
@@ -535,7 +419,7 @@ def _wait_for_start(
     runs = [p.run for p in processes if p.run is not None]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        _check_stop(stop)
+        check_stop(stop)
         joined = [r.joined_at for r in runs if r.joined_at is not None]
         if joined:
             return min(joined)

@@ -84,12 +84,13 @@ def test_without_matplotlib_the_demo_skips_its_plot_and_says_how_to_get_it(
 
 
 def test_a_peer_that_fails_before_training_shows_its_own_error_line() -> None:
-    from p2ptrain.app.demo import _Process, _wait_for_start
+    from p2ptrain.app.demo import _wait_for_start
+    from p2ptrain.app.processes import ChildProcess
 
     runs = [PeerRun(name=f"peer-{i}", upload_mbit=1, download_mbit=1, late=False) for i in (0, 1)]
     code = "import sys; print('p2ptrain train: error: port {} in use', file=sys.stderr); exit(2)"
     processes = [
-        _Process([sys.executable, "-c", code.replace("{}", str(i))], run, 0.0)
+        ChildProcess([sys.executable, "-c", code.replace("{}", str(i))], run, 0.0)
         for i, run in enumerate(runs)
     ]
     with pytest.raises(ConfigError) as failure:
