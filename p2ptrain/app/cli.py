@@ -158,12 +158,14 @@ def _add_demo_parser(commands: _Commands) -> None:
         epilog="example: p2ptrain demo --peers 4 --seconds 90 --png loss.png",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--peers", type=int, default=4, help="number of peers (default 4)")
+    demo.add_argument("--peers", type=int, help="number of peers (default 4; 8 with --pipeline)")
     demo.add_argument(
-        "--seconds", type=float, default=90.0, help="seconds of training (default 90)"
+        "--seconds", type=float, help="seconds of training (default 90; 60 with --pipeline)"
     )
     demo.add_argument(
-        "--png", default="p2ptrain-demo-loss.png", help="where to write the loss plot"
+        "--png",
+        help="where to write the loss plot (default p2ptrain-demo-loss.png; "
+        "p2ptrain-pipeline-demo-loss.png with --pipeline)",
     )
     demo.add_argument("--log-dir", help="keep every peer's JSON log lines in this directory")
     demo.add_argument(
@@ -171,6 +173,12 @@ def _add_demo_parser(commands: _Commands) -> None:
         action="store_true",
         help="root only: run the peers in network namespaces with tc-tbf links at their "
         "rates and a delay; the load balancer is fed only by what the peers measure",
+    )
+    demo.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="train a model no peer can hold: the peers serve the stages of a pipeline "
+        "(SWARM), each under a memory budget below the whole model; a per-stage table",
     )
 
 
@@ -540,6 +548,9 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     from p2ptrain.app.demo import SwarmDemoConfig, run_swarm_demo  # noqa: PLC0415
 
+    if args.pipeline and args.shaped:
+        print("p2ptrain demo: --pipeline runs on loopback (no --shaped)", file=sys.stderr)
+        return 2
     if args.shaped and os.geteuid() != 0:
         print("p2ptrain demo --shaped needs root (network namespaces and tc)", file=sys.stderr)
         return 2
@@ -557,10 +568,21 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
+    if args.pipeline:
+        from p2ptrain.app.pipeline_demo import (  # noqa: PLC0415
+            PipelineDemoConfig,
+            run_pipeline_demo,
+        )
+
+        settings = {"peers": args.peers, "seconds": args.seconds, "png": args.png}
+        pipeline = PipelineDemoConfig(**{k: v for k, v in settings.items() if v is not None})
+        began.set()  # the demo stops its peers itself on a stop
+        outcome = run_pipeline_demo(pipeline, out=sys.stdout, stop=stop)
+        return 0 if outcome.ok or outcome.stopped else 1
     config = SwarmDemoConfig(
-        peers=args.peers,
-        seconds=args.seconds,
-        png=args.png,
+        peers=args.peers or 4,
+        seconds=args.seconds or 90.0,
+        png=args.png or "p2ptrain-demo-loss.png",
         log_dir=args.log_dir,
         shaped=args.shaped,
     )
@@ -680,6 +702,7 @@ def _run_pipeline_train(args: argparse.Namespace) -> int:
         compute_floor_s=args.compute_floor,
         in_flight=args.in_flight,
         identity_path=args.identity,
+        torch_threads=args.torch_threads,
     )
     log = json_line_writer(sys.stdout) if args.log_json == "-" else None
     summary = run_pipeline_peer(config, display=sys.stderr, log=log, announce=joined, stop=stop)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from p2ptrain.app.plotting import plot_series
 from p2ptrain.app.processes import ChildProcess, check_stop, cli_argv
 from p2ptrain.errors import ConfigError, MissingDependencyError
 
@@ -523,39 +524,17 @@ def plot_loss(runs: Sequence[PeerRun], path: Path) -> Path | None:
     Raises:
         MissingDependencyError: matplotlib (the ``plot`` extra) is not installed.
     """
-    if not any(run.losses for run in runs):
-        return None
-    try:
-        import matplotlib  # noqa: PLC0415 - slow import
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "skipped: matplotlib is not installed (pip install 'p2ptrain[plot]')"
-        ) from exc
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    figure, axes = plt.subplots(figsize=(8, 4.5))
+    series = []
     for run in runs:
-        points = run.losses
-        if not points:
-            continue
         label = f"{run.name} ({run.upload_mbit:g}/{run.download_mbit:g} Mbit/s)"
-        if run.late:
-            label += ", late"
-        axes.plot([t for t, _ in points], [v for _, v in points], label=label)
-        if run.late and run.joined_at is not None:
-            axes.axvline(run.joined_at, color="grey", linestyle=":", linewidth=1)
-    axes.set_xlabel("seconds since the demo started")
-    axes.set_ylabel("training loss (last local batch)")
-    axes.set_title("p2ptrain demo: charlm trained by a local swarm")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+        series.append((label + (", late" if run.late else ""), run.losses))
+    return plot_series(
+        path,
+        series,
+        title="p2ptrain demo: charlm trained by a local swarm",
+        ylabel="training loss (last local batch)",
+        marks=[run.joined_at for run in runs if run.late and run.joined_at is not None],
+    )
 
 
 def _fmt(value: object, spec: str) -> str:

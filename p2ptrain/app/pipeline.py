@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+import torch
+
 from p2ptrain.app.task import PipelineTask, load_pipeline_task
 from p2ptrain.app.train import shard_of
 from p2ptrain.dht.node_config import DHTNodeConfig
@@ -59,6 +61,8 @@ class PipelinePeerConfig:
         compute_floor_s: Emulated device speed: a floor on each micro-batch's compute.
         in_flight: Micro-batches this peer's trainer keeps in the pipeline at once.
         identity_path: Key file (keeps the PeerID across restarts).
+        torch_threads: ``torch.set_num_threads`` for the stage and the trainer,
+            or ``None`` for torch's default (all cores).
     """
 
     initial_peers: tuple[str, ...]
@@ -73,9 +77,11 @@ class PipelinePeerConfig:
     compute_floor_s: float = 0.0
     in_flight: int = 2
     identity_path: str | None = None
+    torch_threads: int | None = None
 
     def __post_init__(self) -> None:
         owner = "PipelinePeerConfig"
+        check_integer(f"{owner}.torch_threads", self.torch_threads, at_least=1, allow_none=True)
         check_integer(f"{owner}.stage", self.stage, at_least=0, allow_none=True)
         check_integer(f"{owner}.target_batch_size", self.target_batch_size, at_least=1)
         check_integer(f"{owner}.batch_size", self.batch_size, at_least=1)
@@ -138,6 +144,8 @@ def run_pipeline_peer(
         MemoryBudgetError: The chosen stage does not fit the memory budget.
         ConfigError: The task cannot be loaded or the stage does not exist.
     """
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
     task = load_pipeline_task(config.task)
     model = model_of(task)
     budget = None if config.memory_budget_mb is None else int(config.memory_budget_mb * 1e6)
@@ -271,6 +279,8 @@ def _report(
                 "in_steps": server.stats.samples_in_steps,
                 "retries": stats.retries,
                 "micro_batches": stats.micro_batches,
+                "throughput": round(server.samples_per_s, 2),
+                "queue": server.queue_length,
             }
         )
 
