@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from p2ptrain.app.plotting import plot_series
 from p2ptrain.app.processes import ChildProcess, check_stop, cli_argv
+from p2ptrain.app.report import losses_of, plot_series, text_table
 from p2ptrain.errors import ConfigError, MissingDependencyError
 
 if TYPE_CHECKING:
@@ -170,11 +170,7 @@ class PeerRun:
     @property
     def losses(self) -> list[tuple[float, float]]:
         """(seconds since the demo started, loss) of its progress events."""
-        return [
-            (float(e["t"]), float(e["loss"]))
-            for e in self.events
-            if e.get("event") == "progress" and isinstance(e.get("loss"), int | float)
-        ]
+        return losses_of(self.events, "progress")
 
 
 @dataclass(frozen=True)
@@ -586,12 +582,7 @@ def format_summary(result: SwarmDemoResult, config: SwarmDemoConfig) -> str:
                 _exit_cell(run),
             )
         )
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-    lines = [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+    lines = [text_table(headers, rows)]
     points = sorted(p for run in result.runs for p in run.losses)
     ends = [run.first("end") for run in result.runs]
     total_rate = sum(float(e["samples_per_s"]) for e in ends if e is not None)

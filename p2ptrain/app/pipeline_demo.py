@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from p2ptrain.app.plotting import plot_series
 from p2ptrain.app.processes import ChildProcess, check_stop, cli_argv
+from p2ptrain.app.report import losses_of, plot_series, text_table
 from p2ptrain.errors import ConfigError, MissingDependencyError
 
 __all__ = [
@@ -118,11 +118,7 @@ class StagePeerRun:
     @property
     def losses(self) -> list[tuple[float, float]]:
         """(seconds since the demo started, loss) of its events."""
-        return [
-            (float(e["t"]), float(e["loss"]))
-            for e in self.events
-            if e.get("event") == "pipeline" and isinstance(e.get("loss"), int | float)
-        ]
+        return losses_of(self.events, "pipeline")
 
 
 @dataclass(frozen=True)
@@ -319,16 +315,7 @@ def format_stage_table(runs: Sequence[StagePeerRun]) -> str | None:
             )
         )
     headers = ("stage", "peers", "served samples/s", "device samples/s", "queued", "step", "loss")
-    return _table(headers, rows)
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+    return text_table(headers, rows)
 
 
 def format_summary(result: PipelineDemoResult) -> str:
@@ -350,7 +337,7 @@ def format_summary(result: PipelineDemoResult) -> str:
             )
         )
     headers = ("peer", "stage", "stage step", "delivered", "in steps", "retries", "loss", "exit")
-    lines = [_table(headers, rows), ""]
+    lines = [text_table(headers, rows), ""]
     lines.append(
         f"model {result.model_mb:.2f} MB, each peer's budget {result.budget_mb:.2f} MB; "
         f"wall {result.wall_s:.0f} s"

@@ -1,13 +1,36 @@
-"""Loss plots of the demos (matplotlib, from the ``plot`` extra, imported only here)."""
+"""What the demos show: text tables, loss series from peers' events, and loss plots.
+
+matplotlib (the ``plot`` extra) is imported only when a plot is drawn.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from p2ptrain.errors import MissingDependencyError
 
-__all__ = ["plot_series"]
+__all__ = ["losses_of", "plot_series", "text_table"]
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns under a dashed rule."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def losses_of(events: Iterable[dict[str, Any]], kind: str) -> list[tuple[float, float]]:
+    """(``t``, ``loss``) of the events of ``kind`` that carry a loss."""
+    return [
+        (float(e["t"]), float(e["loss"]))
+        for e in events
+        if e.get("event") == kind and isinstance(e.get("loss"), int | float)
+    ]
 
 
 def plot_series(
