@@ -79,6 +79,11 @@ class MatchmakingConfig:
         target_group_size: stop gathering as soon as this many peers announced.
         min_group_size: fewer live peers than this and the round is off.
         window: seconds to gather announcements.
+        lone_wait: seconds a peer that is still alone when its window closes
+            keeps gathering, if more peers were expected (``form_group``'s
+            ``expected``): peers of a swarm reach a step moments apart, and
+            one that gives up alone steps on its local average and must
+            then download the swarm's state.
         poll_interval: seconds between reads of the announcements.
         ready_timeout: seconds the leader waits for each peer's ``mm.ready``.
         plan_timeout: seconds after the window a member waits for a plan.
@@ -95,6 +100,7 @@ class MatchmakingConfig:
     target_group_size: int = 64
     min_group_size: int = 2
     window: float = 3.0
+    lone_wait: float = 3.0
     poll_interval: float = 0.2
     ready_timeout: float = 2.0
     plan_timeout: float = 10.0
@@ -109,6 +115,8 @@ class MatchmakingConfig:
         for name in ("window", "poll_interval", "ready_timeout", "plan_timeout", "chunk_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive")
+        if not (isinstance(self.lone_wait, int | float) and 0 <= self.lone_wait < math.inf):
+            raise ConfigError("lone_wait must be >= 0 and finite")
         if not 0 < self.reduce_timeout < self.round_timeout:
             raise ConfigError("need 0 < reduce_timeout < round_timeout")
 
@@ -293,11 +301,16 @@ class Matchmaker:
         enough = self.config.target_group_size
         if expected is not None:
             enough = max(1, min(expected, enough))
+        others_expected = expected is not None and enough > 1
+        lone_deadline = deadline + (self.config.lone_wait if others_expected else 0.0)
         while True:
             candidates = await self._read(key)
-            if len(candidates) >= enough or loop.time() >= deadline:
+            now = loop.time()
+            alone = len(candidates) < self.config.min_group_size
+            if len(candidates) >= enough or now >= lone_deadline or (now >= deadline and not alone):
                 return candidates[: self.config.target_group_size]
-            await asyncio.sleep(min(self.config.poll_interval, max(0.0, deadline - loop.time())))
+            until = deadline if now < deadline else lone_deadline
+            await asyncio.sleep(min(self.config.poll_interval, max(0.0, until - now)))
 
     async def _elect(self, key: str, candidates: list[_Candidate]) -> PeerID | None:
         """The live leader smaller than us, or None if we lead."""

@@ -332,7 +332,7 @@ class SwarmAverager:
         # seen a peer starting at the same time used to cut it out of the group.
         self._matchmaker.config = base
         logger.debug("%s: matchmaking for step %d, group of %d", self.peer.peer_id, step, size)
-        limit = base.window + 2 * base.ready_timeout + base.plan_timeout
+        limit = base.window + base.lone_wait + 2 * base.ready_timeout + base.plan_timeout
         key = step_key(self.run_id, step)
         try:
             async with asyncio.timeout(limit):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -221,4 +222,40 @@ async def test_chunks_are_cut_to_the_slowest_uplink() -> None:
         assert {plan.chunk_elements for plan in plans} == {FAST.chunk_elements}
     finally:
         for peer in peers:
+            await peer.aclose()
+
+
+async def test_a_peer_alone_at_the_end_of_its_window_waits_for_expected_peers() -> None:
+    """Peers reach a step moments apart: the first one's window closes before the other
+    announces, and it waits ``lone_wait`` more instead of stepping alone."""
+    first = await start_peer(())
+    second = await start_peer((str(first.node.address),))
+    config = replace(FAST, lone_wait=2.0)
+    for peer in (first, second):
+        peer.matchmaker.config = config
+    try:
+
+        async def late() -> GroupPlan:
+            await asyncio.sleep(FAST.window * 1.5)  # arrives after the first one's window
+            return await second.matchmaker.form_group("run/lone", num_elements=64, expected=2)
+
+        plans = await asyncio.gather(
+            first.matchmaker.form_group("run/lone", num_elements=64, expected=2), late()
+        )
+        assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
+        first.matchmaker.config = replace(FAST, lone_wait=0.0)  # as before: alone, it gives up
+
+        async def late_again() -> GroupPlan:
+            await asyncio.sleep(FAST.window * 1.5)
+            return await second.matchmaker.form_group("run/lone-2", num_elements=64, expected=2)
+
+        outcomes = await asyncio.gather(
+            first.matchmaker.form_group("run/lone-2", num_elements=64, expected=2),
+            late_again(),
+            return_exceptions=True,
+        )
+        assert all(isinstance(o, MatchmakingError) for o in outcomes), outcomes
+        assert "too few" in str(outcomes[0])
+    finally:
+        for peer in (first, second):
             await peer.aclose()
