@@ -165,7 +165,7 @@ class SwarmAverager:
     def deadline(self) -> float:
         """The longest one :meth:`average` call can take (matchmaking plus round)."""
         mm = self._base
-        flat = mm.window + 2 * mm.ready_timeout + mm.plan_timeout + mm.round_timeout
+        flat = mm.window + mm.lone_wait + 2 * mm.ready_timeout + mm.plan_timeout + mm.round_timeout
         g = self.grouping
         grouped = (
             g.group_window
