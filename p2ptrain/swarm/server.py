@@ -38,7 +38,6 @@ forward or backward.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import math
@@ -62,6 +61,7 @@ from p2ptrain.measure.meters import MovingAverage
 from p2ptrain.peer import Peer
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import PeerID
+from p2ptrain.swarm.compute import compute_pool
 from p2ptrain.swarm.config import StageServerConfig
 from p2ptrain.swarm.directory import announce, withdraw
 from p2ptrain.swarm.ledger import CommitLedger, Receipts
@@ -186,8 +186,8 @@ class StageServer:
         self._moving = False
         self._held: dict[tuple[PeerID, bytes], _Held] = {}
         self._held_per_peer: Counter[PeerID] = Counter()
-        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
-        self._stepper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-step")
+        self._compute = compute_pool("stage-compute")
+        self._stepper = compute_pool("stage-step")
         self._tasks: list[asyncio.Task[None]] = []
         self._address = ""
         self._past_receipts: dict[str, Receipts] = {}  # of stages this server left
