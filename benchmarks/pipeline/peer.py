@@ -171,9 +171,15 @@ async def _train(
     args: argparse.Namespace, model: PipelineModel, trainer: PipelineTrainer, peer: Peer
 ) -> None:
     per = model.batch // model.microbatches
+    batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     async def micro(step: int, index: int) -> None:
-        x, y = batch(model, step)
+        # Each step's batch is drawn once, as each torch stage does (not once per
+        # micro-batch: on the loop that serves the trainer's calls).
+        if step not in batches:
+            batches[step] = batch(model, step)
+            batches.pop(step - 4, None)
+        x, y = batches[step]
         part = slice(index * per, (index + 1) * per)
         loss = await trainer.train_micro_batch(x[part], y[part])
         _emit(

@@ -133,6 +133,8 @@ class _Stage:
         check_budget(stage, self.memory_bytes, config.memory_budget_bytes)
         self.sums = [torch.zeros_like(p) for p in self.params]
         self.pending = 0
+        self.sums_stale = False
+        """Whether ``sums`` hold a handed-over batch: the next commit overwrites, not adds."""
         self.ledger = CommitLedger()
         self.copt = CollaborativeOptimizer(
             optimizer,
@@ -421,7 +423,8 @@ class StageServer:
             samples, state.pending = state.pending, 0
             for p, total in zip(state.params, state.sums, strict=True):
                 p.grad = total / samples if samples else None
-                total.zero_()
+            # No pass to zero the sums: the next commit writes over them.
+            state.sums_stale = state.sums_stale or samples > 0
             state.ledger.handed(samples)
         before, syncs = state.copt.last_step, state.copt.stats.syncs
         state.copt.step(batch_size=samples)
@@ -618,8 +621,14 @@ class StageServer:
             )
         param_grads = grads[1:] if wants_x else grads
         with state.copt.state_lock:
+            stale, state.sums_stale = state.sums_stale, False
             for total, grad in zip(state.sums, param_grads, strict=True):
-                if grad is not None:
+                if grad is None:
+                    if stale:
+                        total.zero_()
+                elif stale:
+                    torch.mul(grad, samples, out=total)  # = 0 + samples * grad, exactly
+                else:
                     total.add_(grad, alpha=samples)
             state.pending += samples
             seq = state.ledger.commit()
