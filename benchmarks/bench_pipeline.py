@@ -1,6 +1,7 @@
 """SWARM pipeline training against ``torch.distributed.pipelining``, all in one run.
 
-    python -m benchmarks.bench_pipeline [--width 2048] [--steps 10] [--skip-sim] [--png F]
+    python -m benchmarks.bench_pipeline [--width 2048] [--steps 10] [--skip a-p2p2,b,...]
+        [--default-intervals] [--png F]
 
 Parts (each in real processes on loopback unless it says simulated):
 
@@ -63,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
         help="peers of the big sim (256 did not finish starting in 23 min on 2 loaded cores)",
     )
     parser.add_argument("--sim256-periods", type=int, default=4, help="periods of the big sim")
+    parser.add_argument(
+        "--default-intervals",
+        action="store_true",
+        help="(a) with the library's default progress, announcement, step and refresh"
+        " intervals instead of the fast ones parts (b) and (c) need",
+    )
     parser.add_argument("--skip", default="", help="parts to leave out, e.g. b,sim256")
     parser.add_argument("--png", default=None, help="write the loss and rebalancing plot here")
     return parser
@@ -118,10 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     p2p1 = _part(
         "a-p2p", skip, notes, samples_per_s, model,
         per_stage=1, steps=args.steps, warmup=args.warmup, in_flight=in_flight,
+        default_intervals=args.default_intervals,
     )  # fmt: skip
     p2p2 = _part(
         "a-p2p2", skip, notes, samples_per_s, model,
         per_stage=2, steps=args.steps, warmup=args.warmup, in_flight=2 * in_flight,
+        default_intervals=args.default_intervals,
     )  # fmt: skip
     kill_s = _part(
         "b", skip, notes, kill_recovery, model,
@@ -176,7 +185,9 @@ def _report(
     ]
     print(
         f"(a) {model.depth} blocks of width {model.width}, 4 stages, batch {model.batch}"
-        f" in {model.microbatches} micro-batches, one process per stage (+1 trainer for p2ptrain)"
+        f" in {model.microbatches} micro-batches, one process per stage (+1 trainer for p2ptrain);"
+        " p2ptrain's control plane at "
+        + ("the library's default intervals" if args.default_intervals else "the fast intervals")
     )
     print(format_table(["system", "samples/s", "vs torch"], rows))
     print(

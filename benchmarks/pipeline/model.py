@@ -10,6 +10,7 @@ system starts from the same parameters.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -86,10 +87,16 @@ def stage_module(model: PipelineModel, stage: int) -> nn.Sequential:
     return nn.Sequential(*build_blocks(model)[stage * per : (stage + 1) * per])
 
 
+@functools.cache
+def _teacher(width: int, seed: int) -> torch.Tensor:
+    """The teacher's weight, drawn once per process (at width 2048: 4M normal draws)."""
+    teacher = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(width, width, generator=teacher) / width**0.5
+
+
 def batch(model: PipelineModel, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of ``step`` (the same for every system)."""
-    teacher = torch.Generator().manual_seed(model.seed + 1)
-    weight = torch.randn(model.width, model.width, generator=teacher) / model.width**0.5
+    weight = _teacher(model.width, model.seed)
     data = torch.Generator().manual_seed(model.seed * 1_000_003 + step)
     x = torch.randn(model.batch, model.width, generator=data)
     return x, torch.tanh(x @ weight)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import gc
 import json
 import os
 import random
@@ -89,13 +91,25 @@ FAST_PROGRESS = ProgressConfig(
 )
 
 
-def _peer(join: str | None) -> Peer:
+def _freeze_startup_objects() -> None:
+    """Leave what startup built (torch's ~350k objects, the model) out of later collections.
+
+    The node's memory release runs a full collection on its loop every
+    ``memory_release_interval`` (10 s): 0.4 to 0.6 s here with everything
+    tracked, a stall of every call and reply of the process; a few ms once
+    frozen. ``torch.distributed.pipelining``'s processes run no such pass.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def _peer(join: str | None, *, fast: bool = True) -> Peer:
     initial = (join,) if join else ()
     peer = Peer(
         PeerConfig(
             nat=None,
             probe_bytes=None,
-            matchmaking=FAST_MATCHMAKING,
+            matchmaking=FAST_MATCHMAKING if fast else MatchmakingConfig(),
             dht=DHTNodeConfig(initial_peers=initial, request_timeout=2.0),
         )
     )
@@ -114,24 +128,29 @@ async def _loads(peer: Peer, run: str, stages: int) -> list[PeerLoad]:
 
 
 def serve(args: argparse.Namespace, model: PipelineModel) -> None:
-    peer = _peer(args.join)
+    fast = not args.default_intervals
+    peer = _peer(args.join, fast=fast)
+    config = StageServerConfig(
+        run_id=args.run, target_batch_size=model.batch, min_compute_s=args.floor_s
+    )
+    if fast:
+        config = dataclasses.replace(
+            config,
+            progress=FAST_PROGRESS,
+            announce_interval=0.5,
+            announce_ttl=3.0,
+            step_interval=0.1,
+        )
     server = StageServer(
         peer=peer,
         model=swarm_model(model),
         stage=args.stage,
         make_optimizer=lambda ps: torch.optim.SGD(ps, lr=model.lr),
-        config=StageServerConfig(
-            run_id=args.run,
-            target_batch_size=model.batch,
-            min_compute_s=args.floor_s,
-            progress=FAST_PROGRESS,
-            announce_interval=0.5,
-            announce_ttl=3.0,
-            step_interval=0.1,
-        ),
+        config=config,
     )
     _, closed = _watch_stdin()
     server.start()
+    _freeze_startup_objects()
     _emit(ready=peer.address, pid=os.getpid())
     rebalancing = None
     if args.rebalance_s > 0:
@@ -171,9 +190,15 @@ async def _train(
     args: argparse.Namespace, model: PipelineModel, trainer: PipelineTrainer, peer: Peer
 ) -> None:
     per = model.batch // model.microbatches
+    batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     async def micro(step: int, index: int) -> None:
-        x, y = batch(model, step)
+        # Each step's batch is drawn once, as each torch stage does (not once per
+        # micro-batch: on the loop that serves the trainer's calls).
+        if step not in batches:
+            batches[step] = batch(model, step)
+            batches.pop(step - 4, None)
+        x, y = batches[step]
         part = slice(index * per, (index + 1) * per)
         loss = await trainer.train_micro_batch(x[part], y[part])
         _emit(
@@ -202,7 +227,7 @@ async def _train(
 
 
 def train(args: argparse.Namespace, model: PipelineModel) -> None:
-    peer = _peer(args.join)
+    peer = _peer(args.join, fast=not args.default_intervals)
     _emit(address=peer.address)
     trainer = PipelineTrainer(
         peer=peer,
@@ -211,12 +236,13 @@ def train(args: argparse.Namespace, model: PipelineModel) -> None:
             num_stages=model.stages,
             call_timeout=5.0,
             retry_interval=0.1,
-            refresh_interval=0.5,
+            refresh_interval=1.0 if args.default_intervals else 0.5,
         ),
         loss=torch.nn.functional.mse_loss,
         seed=0,
     )
     go, closed = _watch_stdin()
+    _freeze_startup_objects()
     if args.wait_go:
         go.wait()
     future = peer.submit(_train(args, model, trainer, peer))
@@ -241,6 +267,12 @@ def main() -> None:
         "--in-flight", type=int, default=8, help="trainer: concurrent micro-batches"
     )
     parser.add_argument("--lockstep", action="store_true", help="trainer: one step at a time")
+    parser.add_argument(
+        "--default-intervals",
+        action="store_true",
+        help="the library's default progress, announcement, step and refresh intervals"
+        " (not the fast ones that let a kill be noticed within seconds)",
+    )
     parser.add_argument("--wait-go", action="store_true", help="trainer: start on a stdin line")
     model_flags(parser)
     args = parser.parse_args()

@@ -90,12 +90,24 @@ def _rate(lines: list[dict[str, Any]], start: float, end: float) -> float:
 
 
 def samples_per_s(
-    model: PipelineModel, *, per_stage: int, steps: int, warmup: int, in_flight: int
+    model: PipelineModel,
+    *,
+    per_stage: int,
+    steps: int,
+    warmup: int,
+    in_flight: int,
+    default_intervals: bool = False,
 ) -> float:
-    """Samples/s with ``per_stage`` peers on every stage, after ``warmup`` steps' samples."""
+    """Samples/s with ``per_stage`` peers on every stage, after ``warmup`` steps' samples
+    (``default_intervals``: the library's progress, announcement, step and refresh
+    intervals, not the fast ones of the fault parts)."""
     stages = [s for s in range(model.stages) for _ in range(per_stage)]
+    intervals = ["--default-intervals"] if default_intervals else []
     swarm = Swarm(
-        model, stages, trainer_args=[f"--steps={steps + warmup}", f"--in-flight={in_flight}"]
+        model,
+        stages,
+        trainer_args=[f"--steps={steps + warmup}", f"--in-flight={in_flight}", *intervals],
+        server_args=intervals,
     )
     try:
         swarm.go()

@@ -38,7 +38,6 @@ forward or backward.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import math
@@ -62,6 +61,7 @@ from p2ptrain.measure.meters import MovingAverage
 from p2ptrain.peer import Peer
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import PeerID
+from p2ptrain.swarm.compute import compute_pool
 from p2ptrain.swarm.config import StageServerConfig
 from p2ptrain.swarm.directory import announce, withdraw
 from p2ptrain.swarm.ledger import CommitLedger, Receipts
@@ -133,6 +133,8 @@ class _Stage:
         check_budget(stage, self.memory_bytes, config.memory_budget_bytes)
         self.sums = [torch.zeros_like(p) for p in self.params]
         self.pending = 0
+        self.sums_stale = False
+        """Whether ``sums`` hold a handed-over batch: the next commit overwrites, not adds."""
         self.ledger = CommitLedger()
         self.copt = CollaborativeOptimizer(
             optimizer,
@@ -186,8 +188,8 @@ class StageServer:
         self._moving = False
         self._held: dict[tuple[PeerID, bytes], _Held] = {}
         self._held_per_peer: Counter[PeerID] = Counter()
-        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
-        self._stepper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-step")
+        self._compute = compute_pool("stage-compute")
+        self._stepper = compute_pool("stage-step")
         self._tasks: list[asyncio.Task[None]] = []
         self._address = ""
         self._past_receipts: dict[str, Receipts] = {}  # of stages this server left
@@ -421,7 +423,8 @@ class StageServer:
             samples, state.pending = state.pending, 0
             for p, total in zip(state.params, state.sums, strict=True):
                 p.grad = total / samples if samples else None
-                total.zero_()
+            # No pass to zero the sums: the next commit writes over them.
+            state.sums_stale = state.sums_stale or samples > 0
             state.ledger.handed(samples)
         before, syncs = state.copt.last_step, state.copt.stats.syncs
         state.copt.step(batch_size=samples)
@@ -618,8 +621,14 @@ class StageServer:
             )
         param_grads = grads[1:] if wants_x else grads
         with state.copt.state_lock:
+            stale, state.sums_stale = state.sums_stale, False
             for total, grad in zip(state.sums, param_grads, strict=True):
-                if grad is not None:
+                if grad is None:
+                    if stale:
+                        total.zero_()
+                elif stale:
+                    torch.mul(grad, samples, out=total)  # = 0 + samples * grad, exactly
+                else:
                     total.add_(grad, alpha=samples)
             state.pending += samples
             seq = state.ledger.commit()

@@ -53,6 +53,7 @@ from p2ptrain.errors import (
 )
 from p2ptrain.peer import Peer
 from p2ptrain.rpc.handlers import Message
+from p2ptrain.swarm.compute import compute_pool
 from p2ptrain.swarm.config import PipelineTrainerConfig
 from p2ptrain.swarm.directory import read_stage_or_empty
 from p2ptrain.swarm.ledger import Receipts
@@ -132,6 +133,7 @@ class PipelineTrainer:
         self._confirmer: asyncio.Task[None] | None = None
         self._receipts_seen: dict[tuple[str, str], Receipts] = {}
         self._unreachable: dict[tuple[str, str], float] = {}
+        self._compute = compute_pool("pipeline-loss")
 
     # -- the synchronous facade --------------------------------------------------------
 
@@ -175,7 +177,9 @@ class PipelineTrainer:
             output, address = await self._forward(stage, mb, xs[stage], n)
             chain.append(address)
             xs.append(output)
-        loss_value, grad = await asyncio.to_thread(self._loss_and_grad, xs[stages], targets)
+        loss_value, grad = await asyncio.get_running_loop().run_in_executor(
+            self._compute, self._loss_and_grad, xs[stages], targets
+        )
         for stage in reversed(range(stages)):
             grad = await self._backward(stage, mb, xs[stage], grad, chain, n)
         self.stats.micro_batches += 1
@@ -359,11 +363,12 @@ class PipelineTrainer:
             await asyncio.gather(*list(self._replays), return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Stop confirming and replaying (on the peer's loop)."""
+        """Stop confirming and replaying, and the loss thread (on the peer's loop)."""
         tasks = [t for t in (self._confirmer, *self._replays) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._compute.shutdown(wait=False)
 
     def close(self) -> None:
         """:meth:`aclose` from an ordinary thread."""
