@@ -53,11 +53,20 @@ class LoopThread:
     Args:
         use_uvloop: use uvloop (default: when installed).
         name: the thread's name.
+        initializer: called first in the new thread (e.g. to give it the creating
+            thread's ``torch.set_num_threads``, which is per thread).
     """
 
-    def __init__(self, *, use_uvloop: bool | None = None, name: str = "p2ptrain-loop") -> None:
+    def __init__(
+        self,
+        *,
+        use_uvloop: bool | None = None,
+        name: str = "p2ptrain-loop",
+        initializer: Callable[[], object] | None = None,
+    ) -> None:
         self._factory = loop_factory(use_uvloop)
         self._name = name
+        self._initializer = initializer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -78,6 +87,8 @@ class LoopThread:
         self._started.wait()
 
     def _main(self) -> None:
+        if self._initializer is not None:
+            self._initializer()
         loop = self._factory()
         asyncio.set_event_loop(loop)
         self._loop = loop

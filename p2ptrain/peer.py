@@ -35,12 +35,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import torch
 
 from p2ptrain.aio import LoopThread
 from p2ptrain.allreduce.bandwidth import ThroughputConfig, ThroughputMeter
@@ -177,7 +180,13 @@ class Peer:
                 download_cap_bytes_per_s=typed.download_bytes_per_s,
             )
         )
-        self._loop_thread = LoopThread(use_uvloop=self.config.use_uvloop, name="p2ptrain-peer")
+        # torch's thread count is per thread: the loop thread (averaging, compression)
+        # takes its creator's, not a team as large as the machine's cores.
+        self._loop_thread = LoopThread(
+            use_uvloop=self.config.use_uvloop,
+            name="p2ptrain-peer",
+            initializer=functools.partial(torch.set_num_threads, torch.get_num_threads()),
+        )
         self._samples_per_s = 0.0
         self._node: Node | None = None
         self._dht: DHT | None = None

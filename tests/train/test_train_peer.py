@@ -28,6 +28,23 @@ from p2ptrain.train.progress import ProgressConfig
 from p2ptrain.train.tracker import ProgressTracker
 
 
+def test_the_loop_thread_uses_the_creators_torch_thread_count() -> None:
+    """torch's thread count is per thread: unset, the loop thread's averaging would run
+    OpenMP teams as large as the machine's cores beside a training thread set to fewer."""
+    before = torch.get_num_threads()
+    wanted = 1 if before > 1 else 2
+    torch.set_num_threads(wanted)
+    try:
+        with Peer(PeerConfig(nat=None, probe_bytes=None)) as peer:
+
+            async def threads() -> int:
+                return torch.get_num_threads()
+
+            assert peer.run(threads(), timeout=10) == wanted
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_peer_runs_coroutines_on_its_loop_and_closes_cleanly(tmp_path: Path) -> None:
     key = tmp_path / "id.key"
     with Peer(PeerConfig(identity_path=key)) as peer:
