@@ -399,12 +399,19 @@ class Collaboration:
             stepped_at=self._stepped_at,
             partial=policy is StepPolicy.WAIT,
             carry_batches=self.settings.carry_batches if carry else 0,
+            read_age_s=time.monotonic() - self._tracker.fetched_since,
+            publish_interval=self.progress_config.publish_interval,
         )
         swarm_closed = view.global_step == step and any(
             r.closed and r.peer_id != self.peer.peer_id for r in view.records if r.step == step
         )
-        own_rate = self._rate.value
-        others_rate = max(0.0, view.samples_per_s - own_rate)
+        # This peer's rate as its latest record states it, like the others' (their
+        # records are as old): on a shared machine a starved batch slows every
+        # peer, and this peer's fresh rate against the others' older ones made a
+        # starved peer expect the others to add 3-5 batches per batch of its own.
+        published = self._tracker.local.samples_per_s
+        own_rate = published if published > 0 else self._rate.value
+        others_rate = max(0.0, view.samples_per_s - published)
         per_batch = others_rate * batch / own_rate if own_rate > 0 else 0.0
         placement = place_batch(
             policy=policy,
