@@ -399,8 +399,6 @@ class Collaboration:
             stepped_at=self._stepped_at,
             partial=policy is StepPolicy.WAIT,
             carry_batches=self.settings.carry_batches if carry else 0,
-            read_age_s=time.monotonic() - self._tracker.fetched_since,
-            publish_interval=self.progress_config.publish_interval,
         )
         swarm_closed = view.global_step == step and any(
             r.closed and r.peer_id != self.peer.peer_id for r in view.records if r.step == step

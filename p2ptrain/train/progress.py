@@ -282,8 +282,6 @@ class SwarmProgress:
         stepped_at: float | None = None,
         partial: bool = False,
         carry_batches: int = 0,
-        read_age_s: float | None = None,
-        publish_interval: float = 0.0,
     ) -> int:
         """Samples the live peers at ``step`` (but ``exclude``) hold now, as estimated.
 
@@ -319,24 +317,7 @@ class SwarmProgress:
             partial: Count the batches in progress by the fraction done.
             carry_batches: Batches a peer that closed a step computes toward
                 the next one before it applies the step (the ``carry`` policy).
-            read_age_s: Seconds since the records were read. A peer
-                publishes the end of its first batch toward a step at once
-                and any later one within ``publish_interval``, so a record
-                older than that shows every batch but the last ones: its work
-                since the record is at most one batch plus ``read_age_s``
-                (plus ``publish_interval`` once it has samples at the step)
-                at its rate, however old the record. Measured: a peer not
-                scheduled for seconds on a loaded machine was otherwise
-                extrapolated at its rate all along, and the others closed
-                early. ``None``: no bound.
-            publish_interval: See ``read_age_s``.
         """
-
-        def hidden(published_samples: bool) -> float | None:
-            if read_age_s is None:
-                return None
-            return max(0.0, read_age_s) + (publish_interval if published_samples else 0.0)
-
         total = 0.0
         for r in self.records:
             if r.peer_id == exclude:
@@ -348,9 +329,7 @@ class SwarmProgress:
             if r.step == step:
                 total += r.samples
                 if not (r.closed or r.blocked):
-                    total += _computed(
-                        r, now - r.time, partial=partial, hidden_s=hidden(r.samples > 0)
-                    )
+                    total += _computed(r, now - r.time, partial=partial)
             elif r.step != step - 1:
                 continue
             elif r.closed:
@@ -358,9 +337,9 @@ class SwarmProgress:
                 carried = _computed(r, (now if began is None else began) - r.time, partial=partial)
                 total += min(carried, float(carry_batches * r.batch))
                 if began is not None:
-                    total += _computed(r, now - began, partial=partial, hidden_s=hidden(False))
+                    total += _computed(r, now - began, partial=partial)
             elif stepped_at is not None and r.time <= stepped_at:
-                total += _computed(r, now - stepped_at, partial=partial, hidden_s=hidden(False))
+                total += _computed(r, now - stepped_at, partial=partial)
             if total >= _MAX_SAMPLES:
                 return _MAX_SAMPLES
         return min(math.floor(total), _MAX_SAMPLES)
@@ -383,14 +362,9 @@ class SwarmProgress:
         return [r for r in self.records if r.address is not None and r.peer_id != exclude]
 
 
-def _computed(
-    record: PeerProgress, seconds: float, *, partial: bool, hidden_s: float | None = None
-) -> float:
+def _computed(record: PeerProgress, seconds: float, *, partial: bool) -> float:
     """Samples ``record``'s peer computed in ``seconds`` at its rate: whole batches, or
-    with ``partial`` the fraction of the batch in progress too; with ``hidden_s``
-    at most one batch plus ``hidden_s`` seconds of work."""
-    if hidden_s is not None:
-        seconds = min(seconds, record.batch / record.samples_per_s + max(0.0, hidden_s))
+    with ``partial`` the fraction of the batch in progress too."""
     work = min(float(_MAX_SAMPLES), record.samples_per_s * max(0.0, seconds))
     if partial:
         return work

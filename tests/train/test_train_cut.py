@@ -268,34 +268,6 @@ def test_the_work_estimate_counts_the_batches_in_progress() -> None:
     assert view.estimate_samples(5, exclude=None, now=100.5, partial=True) == 32 + 20 + 16 + 64
 
 
-def test_an_old_record_adds_at_most_a_batch_and_what_the_view_may_hide() -> None:
-    # Written 3 s ago at 40 samples/s: 120 samples at that rate. But the view is
-    # 0.1 s old and a first batch toward a step is published at once: the peer
-    # finished no batch since (or the record would show it), it is at most one
-    # batch (0.4 s) and 0.1 s into its work. Measured: a peer not scheduled for
-    # seconds on a loaded machine, counted at its rate, made the others close early.
-    records = [PeerProgress(IDS[0], 5, 0, 40.0, 100.0, batch=16)]
-    view = aggregate(records, target_batch_size=256, now=103.0)
-
-    def estimate(**kw: Any) -> int:
-        return view.estimate_samples(5, exclude=None, now=103.0, partial=True, **kw)
-
-    assert estimate() == 120
-    assert estimate(read_age_s=0.1, publish_interval=0.5) == 16 + 4
-    # Once it has samples at the step, a later batch may wait publish_interval to be published.
-    later = aggregate(
-        [PeerProgress(IDS[0], 5, 32, 40.0, 100.0, batch=16)], target_batch_size=256, now=103.0
-    )
-    assert (
-        later.estimate_samples(
-            5, exclude=None, now=103.0, partial=True, read_age_s=0.1, publish_interval=0.5
-        )
-        == 32 + 16 + 24
-    )
-    # A fresh record is extrapolated at its rate, the bound does not bite.
-    assert estimate(read_age_s=10.0, publish_interval=0.5) == 120
-
-
 def test_new_record_fields_survive_the_wire() -> None:
     record = PeerProgress(
         IDS[0], 7, 96, 12.5, 3.0, batch=16, closed=True, last_step_samples=260, target=256
