@@ -78,6 +78,8 @@ class SwarmSettings:
             measured, see :class:`~p2ptrain.train.policy.LeadTimer`).
         sync_tolerance: Steps a peer may lag and still join a step.
         step_policy: How a step holds the target (:mod:`p2ptrain.train.cut`).
+        carry_batches: Under ``carry``: batches a peer computes toward the next
+            step while its step averages (the others' estimates count them).
         grouping: When and how a step averages in groups (``None``: the defaults).
         model: The model's digest (:func:`~p2ptrain.train.fingerprint.model_digest`);
             ``None``: not checked.
@@ -91,6 +93,7 @@ class SwarmSettings:
     matchmaking_lead: float | None
     sync_tolerance: int
     step_policy: StepPolicy = StepPolicy.UNBOUNDED
+    carry_batches: int = 0
     grouping: GroupingConfig | None = None
     model: str | None = None
 
@@ -388,14 +391,25 @@ class Collaboration:
         if policy is StepPolicy.UNBOUNDED or target is None:
             return Placement(carry=False, close=False)
         view = self._tracker.view()
+        carry = policy is StepPolicy.CARRY
         others = view.estimate_samples(
-            step, exclude=self.peer.peer_id, now=time.time(), stepped_at=self._stepped_at
+            step,
+            exclude=self.peer.peer_id,
+            now=time.time(),
+            stepped_at=self._stepped_at,
+            partial=policy is StepPolicy.WAIT,
+            carry_batches=self.settings.carry_batches if carry else 0,
         )
         swarm_closed = view.global_step == step and any(
             r.closed and r.peer_id != self.peer.peer_id for r in view.records if r.step == step
         )
-        own_rate = self._rate.value
-        others_rate = max(0.0, view.samples_per_s - own_rate)
+        # This peer's rate as its latest record states it, like the others' (their
+        # records are as old): on a shared machine a starved batch slows every
+        # peer, and this peer's fresh rate against the others' older ones made a
+        # starved peer expect the others to add 3-5 batches per batch of its own.
+        published = self._tracker.local.samples_per_s
+        own_rate = published if published > 0 else self._rate.value
+        others_rate = max(0.0, view.samples_per_s - published)
         per_batch = others_rate * batch / own_rate if own_rate > 0 else 0.0
         placement = place_batch(
             policy=policy,

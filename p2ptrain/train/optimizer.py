@@ -217,6 +217,7 @@ class CollaborativeOptimizer(SwarmTrainer):
             lead = 0.0  # bounded contributions: size each group when its step is due
         return SwarmSettings(
             step_policy=self._policy,
+            carry_batches=cfg.carry_batches,
             run_id=cfg.run_id,
             target_batch_size=cfg.target_batch_size,
             progress=cfg.progress,

@@ -280,22 +280,33 @@ class SwarmProgress:
         exclude: PeerID | None,
         now: float,
         stepped_at: float | None = None,
+        partial: bool = False,
+        carry_batches: int = 0,
     ) -> int:
         """Samples the live peers at ``step`` (but ``exclude``) hold now, as estimated.
 
-        Each record's samples, plus the whole batches its peer computed
-        since it wrote the record at its reported rate (a record is written
-        at the end of a batch). A closed or blocked peer adds nothing more,
-        nor one that did not say its batch size or rate.
+        Each record's samples, plus what its peer computed since it wrote the
+        record at its reported rate (a record is written at the end of a
+        batch): the whole batches it finished, or with ``partial`` its
+        progress into the batch it is computing too (the swarm's *work*, the
+        unbiased measure the ``wait`` cut compares with the target; see
+        :mod:`p2ptrain.train.cut`). A closed or blocked peer adds nothing
+        more, nor one that did not say its batch size or rate (before its
+        first batch: it may still be loading; its first record after that
+        batch says its rate).
 
-        A record one step behind (``step - 1``) is counted from the moment
-        its peer most likely began ``step``: a record that closed the step
-        from its time (it has counted its batches toward ``step`` since); any
-        other from ``stepped_at``, the moment the reader itself began
-        ``step``, if the record is older than that (its peer was in the same
-        step and most likely stepped in the same group, its new record not
-        read yet). A record written after ``stepped_at`` that is still one
-        step behind is a lagging peer and counts nothing.
+        A record one step behind (``step - 1``) counts what its peer added
+        toward ``step`` since it most likely began it:
+
+        * a record that closed the step: at most ``carry_batches`` batches
+          computed from its time while its step averaged (0 under ``wait``:
+          a closed peer waits), then everything from ``stepped_at`` (the
+          moment the reader itself began ``step``, in the same group);
+        * any other record older than ``stepped_at``: from ``stepped_at``
+          (its peer was in the same step and most likely stepped in the same
+          group, its new record not read yet);
+        * any other record written after ``stepped_at``: a lagging peer,
+          nothing.
 
         Args:
             step: The step whose samples are estimated.
@@ -303,27 +314,35 @@ class SwarmProgress:
             now: The current time (Unix seconds).
             stepped_at: When the reader began ``step`` (Unix seconds), if it
                 did so by a step of its own.
+            partial: Count the batches in progress by the fraction done.
+            carry_batches: Batches a peer that closed a step computes toward
+                the next one before it applies the step (the ``carry`` policy).
         """
-        total = 0
+        total = 0.0
         for r in self.records:
-            if r.peer_id == exclude or r.batch <= 0 or r.samples_per_s <= 0:
-                if r.step == step and r.peer_id != exclude:
+            if r.peer_id == exclude:
+                continue
+            if r.batch <= 0 or r.samples_per_s <= 0:
+                if r.step == step:
                     total += r.samples
                 continue
-            since = r.time
             if r.step == step:
                 total += r.samples
-                if r.closed or r.blocked:
-                    continue
+                if not (r.closed or r.blocked):
+                    total += _computed(r, now - r.time, partial=partial)
             elif r.step != step - 1:
                 continue
-            elif not r.closed:
-                if stepped_at is None or r.time > stepped_at:
-                    continue
-                since = stepped_at
-            batches = math.floor(r.samples_per_s * max(0.0, now - since) / r.batch)
-            total += r.batch * min(batches, _MAX_SAMPLES // max(r.batch, 1))
-        return min(total, _MAX_SAMPLES)
+            elif r.closed:
+                began = stepped_at if stepped_at is not None and stepped_at > r.time else None
+                carried = _computed(r, (now if began is None else began) - r.time, partial=partial)
+                total += min(carried, float(carry_batches * r.batch))
+                if began is not None:
+                    total += _computed(r, now - began, partial=partial)
+            elif stepped_at is not None and r.time <= stepped_at:
+                total += _computed(r, now - stepped_at, partial=partial)
+            if total >= _MAX_SAMPLES:
+                return _MAX_SAMPLES
+        return min(math.floor(total), _MAX_SAMPLES)
 
     def expected_in_group(self, step: int, *, exclude: PeerID | None = None) -> int:
         """Live peers expected to join the group of ``step``.
@@ -341,6 +360,15 @@ class SwarmProgress:
     def sources(self, exclude: PeerID | None = None) -> list[PeerProgress]:
         """Peers that serve their state, highest step first (then most recent)."""
         return [r for r in self.records if r.address is not None and r.peer_id != exclude]
+
+
+def _computed(record: PeerProgress, seconds: float, *, partial: bool) -> float:
+    """Samples ``record``'s peer computed in ``seconds`` at its rate: whole batches, or
+    with ``partial`` the fraction of the batch in progress too."""
+    work = min(float(_MAX_SAMPLES), record.samples_per_s * max(0.0, seconds))
+    if partial:
+        return work
+    return float(record.batch * math.floor(work / record.batch))
 
 
 def aggregate(
@@ -415,12 +443,27 @@ def next_fetch_delay(progress: SwarmProgress, config: ProgressConfig, *, waiting
     """Seconds until the swarm's records should be read again.
 
     Often when a step is near (about four reads before the estimated time),
-    when this peer waits, or when samples accumulate at a rate not yet
-    measured (the first batches of a run); rarely when the step is far away.
+    when this peer waits, or when samples accumulate while a peer at the
+    step has not said its rate yet (the first batches of a run: the
+    estimated time counts only the rates known, and the step cut cannot
+    extrapolate a peer before its first record with a rate), or while a peer
+    is one step behind (after a step, until its new record is read); rarely
+    when the step is far away.
     """
     if waiting or progress.ready:
         return config.min_fetch_interval
-    if not math.isfinite(progress.eta_s) and progress.samples_at_step > 0:
+    if progress.samples_at_step > 0 and (
+        not math.isfinite(progress.eta_s)
+        or any(
+            r.samples_per_s <= 0 and not r.blocked
+            for r in progress.records
+            if r.step == progress.global_step
+        )
+    ):
+        return config.min_fetch_interval
+    if any(r.step == progress.global_step - 1 for r in progress.records):
+        # Peers one step behind most likely stepped in the same group: their new
+        # records (and the samples they add toward this step) are not read yet.
         return config.min_fetch_interval
     delay = progress.eta_s / 4 if math.isfinite(progress.eta_s) else config.max_fetch_interval
     return min(config.max_fetch_interval, max(config.min_fetch_interval, delay))

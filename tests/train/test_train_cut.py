@@ -8,6 +8,7 @@ calls; the accounting is tested with real peer processes
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -56,16 +57,102 @@ def test_carry_counts_a_batch_past_the_cut_toward_the_next_step() -> None:
     assert place(StepPolicy.CARRY, own=16, others=0, swarm_closed=True) == Placement(True, True)
 
 
-def test_wait_closes_before_a_batch_that_would_pass_the_target() -> None:
-    # 100 + 16 now; the others add 150 while this peer would compute one more batch.
+def test_wait_closes_when_the_swarm_passes_the_target_in_the_first_half_of_the_next_batch() -> None:
+    # 116 now; the others add 150 while this peer computes one more batch of 16:
+    # halfway through it the swarm holds 116 + (16 + 150) / 2 = 199 < 256: compute it.
     assert place(StepPolicy.WAIT, own=50, others=50, others_per_batch=150.0) == Placement(
-        carry=False, close=True
-    )
-    assert place(StepPolicy.WAIT, own=50, others=50, others_per_batch=10.0) == Placement(
         carry=False, close=False
     )
+    # ... with others adding 300: 116 + 158 = 274 >= 256 halfway: close now, at 116.
+    assert place(StepPolicy.WAIT, own=50, others=50, others_per_batch=300.0) == Placement(
+        carry=False, close=True
+    )
+    # A lone peer stops on the batch that ends nearest the target: exactly 256 here.
+    assert place(StepPolicy.WAIT, own=224) == Placement(carry=False, close=False)  # 240 + 8
+    assert place(StepPolicy.WAIT, own=240) == Placement(carry=False, close=True)  # 256 + 8
+    # Halfway counts: 100 samples short with 200 expected in the next batch time.
+    assert place(StepPolicy.WAIT, own=0, others=140, others_per_batch=184.0).close  # 156 + 100
+    assert not place(StepPolicy.WAIT, own=0, others=139, others_per_batch=184.0).close
     # A batch past the cut is never thrown away: under "wait" it is added.
     assert place(StepPolicy.WAIT, own=64, others=300) == Placement(carry=False, close=True)
+
+
+def _simulate_steps(
+    rates: list[float],
+    *,
+    target: int,
+    batch: int,
+    lockstep: bool,
+    seed: int,
+    steps: int = 200,
+    delay: float = 0.0,
+) -> list[int]:
+    """Steps of peers that follow place_batch with exact estimates of each other's work.
+
+    Peer ``i`` computes batches of ``batch`` samples at ``rates[i]`` samples/s
+    (each batch's time varies by +-20 %); after a step every peer starts at
+    once (``lockstep``) or at a random phase. A closed peer's flag reaches
+    the others ``delay`` seconds later. Returns the samples of every step.
+    """
+    rng = random.Random(seed)
+    totals = []
+    n = len(rates)
+    for _ in range(steps):
+        duration = [batch / r * rng.uniform(0.8, 1.2) for r in rates]
+        start = [0.0 if lockstep else -rng.uniform(0, d) for d in duration]
+        end = [s + d for s, d in zip(start, duration, strict=True)]
+        done = [0] * n
+        closed_at: list[float | None] = [None] * n
+        while not all(c is not None for c in closed_at):
+            i = min((k for k in range(n) if closed_at[k] is None), key=lambda k: end[k])
+            now = end[i]
+            own = done[i]
+            # The others' work now: their batches, and the fraction of the one in progress.
+            others = 0.0
+            for j in range(n):
+                if j == i:
+                    continue
+                others += done[j]
+                if closed_at[j] is None:
+                    others += batch * max(0.0, now - start[j]) / duration[j]
+            swarm_closed = any(c is not None and c + delay <= now for c in closed_at)
+            opb = sum(rates[j] for j in range(n) if j != i and closed_at[j] is None)
+            placement = place_batch(
+                policy=StepPolicy.WAIT,
+                target=target,
+                own=own,
+                batch=batch,
+                others=int(others),
+                swarm_closed=swarm_closed,
+                others_per_batch=opb * batch / rates[i],
+            )
+            done[i] += batch
+            if placement.close:
+                closed_at[i] = now
+            else:
+                duration[i] = batch / rates[i] * rng.uniform(0.8, 1.2)
+                start[i], end[i] = now, now + duration[i]
+        totals.append(sum(done))
+    return totals
+
+
+@pytest.mark.parametrize("lockstep", [True, False])
+@pytest.mark.parametrize(("peers", "target"), [(4, 256), (8, 256), (4, 1024), (16, 256)])
+def test_wait_steps_hold_the_target_on_average(peers: int, target: int, lockstep: bool) -> None:
+    """The mean is the target (the rule before held target - (N - 1) * b / 2: 0.81x at 8x256)."""
+    rng = random.Random(peers * target)
+    rates = [rng.uniform(20.0, 40.0) for _ in range(peers)]
+    totals = _simulate_steps(rates, target=target, batch=16, lockstep=lockstep, seed=target)
+    mean = sum(totals) / len(totals)
+    assert 0.95 * target <= mean <= 1.05 * target, mean
+    assert max(totals) <= 1.25 * target, max(totals)
+
+
+def test_a_slow_closed_flag_adds_at_most_a_batch_per_peer() -> None:
+    rates = [30.0] * 8
+    totals = _simulate_steps(rates, target=256, batch=16, lockstep=False, seed=1, delay=0.3)
+    assert max(totals) <= 256 + 8 * 16
+    assert 0.95 * 256 <= sum(totals) / len(totals) <= 1.10 * 256
 
 
 def test_unbounded_never_closes() -> None:
@@ -146,8 +233,39 @@ def test_the_estimate_extrapolates_whole_batches_and_stops_at_closed_peers() -> 
     assert (
         view.estimate_samples(4, exclude=None, now=101.25) == 80 + 16 * 3
     )  # 50 samples: 3 whole batches
-    # IDS[1] closed step 5 at t=100: its batches since then count toward step 6.
-    assert view.estimate_samples(6, exclude=None, now=101.25) == 48
+    # IDS[1] closed step 5 at t=100. Under "wait" it waits: nothing toward step 6 yet.
+    assert view.estimate_samples(6, exclude=None, now=101.25) == 0
+    # Under "carry" it computes up to carry_batches batches while step 5 averages:
+    # 50 samples since it closed, 3 whole batches, as many as carry_batches allows.
+    assert view.estimate_samples(6, exclude=None, now=101.25, carry_batches=5) == 48
+    assert view.estimate_samples(6, exclude=None, now=101.25, carry_batches=2) == 32
+
+
+def test_a_closed_peer_counts_toward_the_next_step_from_when_it_stepped() -> None:
+    # Measured: counting a closed "wait" peer from the time it closed (2-4 s of
+    # averaging before) made the others close the next step after one batch.
+    records = [PeerProgress(IDS[0], 5, 48, 40.0, 100.0, batch=16, closed=True)]
+    view = aggregate(records, target_batch_size=256, now=103.5)
+    # The reader stepped to 6 at t=103: 0.5 s at 40 samples/s since, one whole batch.
+    assert view.estimate_samples(6, exclude=None, now=103.5, stepped_at=103.0) == 16
+    # ... 20 samples of work, batch in progress included.
+    assert view.estimate_samples(6, exclude=None, now=103.5, stepped_at=103.0, partial=True) == 20
+    # Under "carry" one batch computed while averaging, then the same from the step.
+    assert (
+        view.estimate_samples(6, exclude=None, now=103.5, stepped_at=103.0, carry_batches=1)
+        == 16 + 16
+    )
+
+
+def test_the_work_estimate_counts_the_batches_in_progress() -> None:
+    records = [
+        PeerProgress(IDS[0], 5, 32, 40.0, 100.0, batch=16),  # 0.5 s: 20 samples of work
+        PeerProgress(IDS[1], 5, 16, 0.0, 100.0, batch=16),  # no rate yet: its samples only
+        PeerProgress(IDS[2], 5, 64, 40.0, 99.0, batch=16, closed=True),  # adds nothing more
+    ]
+    view = aggregate(records, target_batch_size=256, now=100.5)
+    assert view.estimate_samples(5, exclude=None, now=100.5) == 32 + 16 + 16 + 64
+    assert view.estimate_samples(5, exclude=None, now=100.5, partial=True) == 32 + 20 + 16 + 64
 
 
 def test_new_record_fields_survive_the_wire() -> None:

@@ -195,6 +195,21 @@ def test_fetches_are_frequent_near_a_step_and_rare_far_from_it() -> None:
     assert next_fetch_delay(far, config, waiting=True) == 0.2
 
 
+def test_fetches_are_frequent_while_a_peer_is_a_step_behind_or_has_no_rate_yet() -> None:
+    config = ProgressConfig(min_fetch_interval=0.2, max_fetch_interval=5.0)
+    far = [rec(A, 1, 0, 1.0)]
+    assert (
+        next_fetch_delay(aggregate(far, target_batch_size=100, now=NOW), config, waiting=False)
+        == 5.0
+    )
+    # B has not stepped in our view: it most likely did, its new record is not read yet.
+    behind = aggregate([*far, rec(B, 0, 40, 1.0)], target_batch_size=100, now=NOW)
+    assert next_fetch_delay(behind, config, waiting=False) == 0.2
+    # The first batches of a run: samples accumulate, but C's rate is unknown.
+    unknown = aggregate([rec(A, 0, 16, 1.0), rec(C, 0, 0, 0.0)], target_batch_size=1000, now=NOW)
+    assert next_fetch_delay(unknown, config, waiting=False) == 0.2
+
+
 def test_publication_rules() -> None:
     config = ProgressConfig(publish_interval=1.0, heartbeat_interval=5.0, expiration=20.0)
     old = rec(A, 1, 10)
