@@ -318,6 +318,12 @@ def format_stage_table(runs: Sequence[StagePeerRun]) -> str | None:
     return text_table(headers, rows)
 
 
+def _exit_cell(run: StagePeerRun) -> str:
+    if run.returncode is not None:
+        return str(run.returncode)
+    return "killed" if run.started else "not started"
+
+
 def format_summary(result: PipelineDemoResult) -> str:
     """One row per peer, then the loss and the verdict."""
     rows = []
@@ -333,7 +339,7 @@ def format_summary(result: PipelineDemoResult) -> str:
                 str(last.get("in_steps", "-")),
                 str(last.get("retries", "-")),
                 f"{loss:.4f}" if isinstance(loss, int | float) else "-",
-                "killed" if run.returncode is None else str(run.returncode),
+                _exit_cell(run),
             )
         )
     headers = ("peer", "stage", "stage step", "delivered", "in steps", "retries", "loss", "exit")
