@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from p2ptrain.transport.pacing import DEFAULT_PACE_TARGET_S
 from p2ptrain.validate import check_integer, check_number
 
 __all__ = ["ConnectionConfig"]
@@ -75,7 +76,7 @@ class ConnectionConfig:
     stream_window: int = 32 * MiB
     max_streams: int = 1024
     write_high_water: int = 1 * MiB
-    pace_target_s: float | None = 0.02
+    pace_target_s: float | None = DEFAULT_PACE_TARGET_S
     handshake_timeout: float = 10.0
     idle_timeout: float = 300.0
     keepalive_interval: float = 15.0

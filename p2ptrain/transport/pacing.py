@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import fcntl
 import sys
 
 from p2ptrain.errors import ConfigError
@@ -55,6 +54,8 @@ def kernel_unsent_bytes(fileno: int) -> int | None:
     """
     if not sys.platform.startswith("linux"):
         return None
+    import fcntl  # noqa: PLC0415 - POSIX only: importing it at the top breaks Windows
+
     out = array.array("i", [0])
     with contextlib.suppress(OSError, ValueError):  # ValueError: a closed socket's -1
         fcntl.ioctl(fileno, _SIOCOUTQNSD, out, True)
