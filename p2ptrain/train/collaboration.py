@@ -484,9 +484,14 @@ class Collaboration:
                     action is Action.STEP
                     and not refreshed
                     and self._tracker.fetched_since < entered
+                    and not (self._closed and view.global_step == step)
                 ):
                     # Step on what the others said after our latest report: an
-                    # older view may miss peers (all "blocked" when alone).
+                    # older view may miss peers (all "blocked" when alone). A
+                    # step closed by the cut was decided on the others' samples
+                    # already; a read here cost a DHT round trip (30-80 ms
+                    # measured on 2 loaded cores) at every step, and a swarm
+                    # that moved on meanwhile is caught by the average's outcome.
                     self.peer.run(self._tracker.refresh(), timeout=_RUN_MARGIN)
                     refreshed = True
                     continue
