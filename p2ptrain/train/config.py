@@ -65,8 +65,9 @@ class TrainerConfig:
             ``wait`` (default) stops computing when the next batch would
             pass the target and waits for the step; ``carry`` counts a
             batch that ends after the swarm reached the target toward the
-            next step (one step stale; measured 4-10 % worse loss per
-            sample than ``wait``, see docs/training.md); ``unbounded``
+            next step (one step stale, which ``predict_weights`` mostly
+            makes up for; before it, measured 4-10 % worse loss per sample
+            than ``wait``, see docs/training.md); ``unbounded``
             adds batches until the swarm's reported samples reach the
             target (steps then hold more than the target; kept for
             comparison).

@@ -20,7 +20,8 @@ adding batches when the next would pass the target and waits for the step;
 under ``carry`` a batch that ends after the swarm reached the target counts
 toward the next step (a second accumulator; its gradient is one step stale),
 and the step's all-reduce runs in the background while the peer computes at
-most ``carry_batches`` such batches (then it waits for the average). The vector averaged carries
+most ``carry_batches`` such batches (then it waits for the average), on the
+parameters its own gradient predicts (:mod:`p2ptrain.train.prediction`). The vector averaged carries
 one more element, ``1 / samples``, from which every peer learns the step's
 total samples (:func:`~p2ptrain.train.averaging.group_weight`).
 
