@@ -45,6 +45,8 @@ from benchmarks.training_wan.model import (
     train,
 )
 
+START_WAIT_S = 60.0  # seconds a peer waits to see every peer of the run before "ready"
+
 
 def main(job: dict[str, Any]) -> None:
     from p2ptrain.allreduce.config import AllReduceConfig
@@ -150,6 +152,11 @@ def main(job: dict[str, Any]) -> None:
         # Every peer leaves the run on "stop" (a DiLoCo peer still in step()
         # then stops waiting for the others' round) before peer 0 evaluates.
         with trainer:
+            # A peer that does not see all the others yet sizes its first group
+            # without them: on a loaded machine step 0 split into two groups of
+            # 2 that trained two models until a later download joined them.
+            if not trainer.wait_for_peers(job["peers"], timeout=START_WAIT_S):
+                logging.getLogger(__name__).warning("not every peer online at the start")
             emit({"ready": True})
             trained = train(
                 recorder,

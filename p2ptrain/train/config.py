@@ -65,8 +65,9 @@ class TrainerConfig:
             ``wait`` (default) stops computing when the next batch would
             pass the target and waits for the step; ``carry`` counts a
             batch that ends after the swarm reached the target toward the
-            next step (one step stale; measured 4-10 % worse loss per
-            sample than ``wait``, see docs/training.md); ``unbounded``
+            next step (one step stale, which ``predict_weights`` mostly
+            makes up for; before it, measured 4-10 % worse loss per sample
+            than ``wait``, see docs/training.md); ``unbounded``
             adds batches until the swarm's reported samples reach the
             target (steps then hold more than the target; kept for
             comparison).
@@ -94,6 +95,13 @@ class TrainerConfig:
             (:mod:`p2ptrain.allreduce.grouped`), and how.
         error_feedback: With a lossy codec, add the rounding error of each
             step's gradient to the next one (:mod:`p2ptrain.train.feedback`).
+        predict_weights: Under ``carry``: while a step averages, install the
+            parameters the inner optimizer would reach with this peer's own
+            gradient, so that the carried batches are computed near the
+            parameters to come (:mod:`p2ptrain.train.prediction`); the
+            true parameters are put back before the averaged update. Code
+            that reads the parameters between ``step()`` calls then sees
+            the predicted ones while a step averages.
     """
 
     run_id: str
@@ -108,11 +116,14 @@ class TrainerConfig:
     state: StateSyncConfig = field(default_factory=StateSyncConfig)
     grouping: GroupingConfig = field(default_factory=GroupingConfig)
     error_feedback: bool = True
+    predict_weights: bool = True
 
     def __post_init__(self) -> None:
         _check_run_id("TrainerConfig", self.run_id)
         if not isinstance(self.error_feedback, bool):
             raise ConfigError("TrainerConfig.error_feedback must be a bool")
+        if not isinstance(self.predict_weights, bool):
+            raise ConfigError("TrainerConfig.predict_weights must be a bool")
         if self.step_policy not in STEP_POLICIES:
             raise ConfigError(
                 f"TrainerConfig.step_policy must be one of {list(STEP_POLICIES)}, "

@@ -20,7 +20,8 @@ adding batches when the next would pass the target and waits for the step;
 under ``carry`` a batch that ends after the swarm reached the target counts
 toward the next step (a second accumulator; its gradient is one step stale),
 and the step's all-reduce runs in the background while the peer computes at
-most ``carry_batches`` such batches (then it waits for the average). The vector averaged carries
+most ``carry_batches`` such batches (then it waits for the average), on the
+parameters its own gradient predicts (:mod:`p2ptrain.train.prediction`). The vector averaged carries
 one more element, ``1 / samples``, from which every peer learns the step's
 total samples (:func:`~p2ptrain.train.averaging.group_weight`).
 
@@ -56,6 +57,7 @@ from p2ptrain.train.collaboration import PendingAverage, SwarmSettings
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.cut import StepPolicy
 from p2ptrain.train.feedback import ErrorFeedback
+from p2ptrain.train.prediction import WeightPrediction
 from p2ptrain.train.staging import HostStaging, parameters_device
 from p2ptrain.train.state import TrainingSnapshot
 
@@ -110,6 +112,9 @@ class CollaborativeOptimizer(SwarmTrainer):
         self._carried = 0
         self._carried_batches = 0
         self._pending: tuple[PendingAverage, torch.Tensor] | None = None
+        self._prediction = (
+            WeightPrediction(optimizer, self._params) if config.predict_weights else None
+        )
         codec = config.allreduce
         self._feedback = (
             ErrorFeedback(get_codec(codec.codec, block_size=codec.block_size), self._numel)
@@ -241,6 +246,8 @@ class CollaborativeOptimizer(SwarmTrainer):
             self._pending = (self._collaboration.begin_average(self._step, vector, samples), vector)
             if self._carried_batches >= self.config.carry_batches:
                 return self._finish_step()  # the batch in flight at the cut filled the carry
+            if self._prediction is not None and samples > 0:
+                self._predict(vector)
             return False
         averaged = self._average(vector, float(samples))
         if averaged is None:  # the swarm's state was downloaded instead
@@ -248,11 +255,27 @@ class CollaborativeOptimizer(SwarmTrainer):
         self._apply(vector, averaged, samples)
         return True
 
+    def _predict(self, vector: torch.Tensor) -> None:
+        """Install the parameters this peer's own gradient predicts (see
+        :mod:`p2ptrain.train.prediction`) while the step averages."""
+        assert self._prediction is not None
+        grads = []
+        offset = 0
+        for p in self._params:
+            own = vector[offset : offset + p.numel()].view(p.shape)
+            grads.append(self._staging.to_device(own, p))
+            offset += p.numel()
+        with self._lock:
+            self._prediction.install(grads)
+
     def _finish_step(self) -> bool:
         """Apply the step averaged in the background (waits for it if needed)."""
         pending, self._pending = self._pending, None
         if pending is None:  # pragma: no cover - callers check
             return False
+        if self._prediction is not None:
+            with self._lock:
+                self._prediction.restore()
         average, vector = pending
         ended = self._end_average(average)
         if ended is None:
@@ -296,15 +319,17 @@ class CollaborativeOptimizer(SwarmTrainer):
         return group_weight(outcome, length=averaged.numel(), marker=float(averaged[-1]))
 
     def _capture(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "params": [p.detach() for p in self._params],
-            "optimizer": self.optimizer.state_dict(),
-        }
+        params = [p.detach() for p in self._params]
+        optimizer = self.optimizer.state_dict()
+        if self._prediction is not None and self._prediction.active:
+            params, optimizer = self._prediction.true_state(optimizer)
+        return {"kind": self.kind, "params": params, "optimizer": optimizer}
 
     def _install(self, snapshot: TrainingSnapshot) -> None:
         state = snapshot.state
         params = check_params(state.get("params"), self._params)
+        if self._prediction is not None:
+            self._prediction.restore()  # a refused state leaves the true one in place
         load_optimizer_state(self.optimizer, state.get("optimizer"), "optimizer")
         with torch.no_grad():
             for p, value in zip(self._params, params, strict=True):
