@@ -37,6 +37,7 @@ import torch
 from benchmarks.training_wan.model import (
     Commands,
     Recorder,
+    adamw,
     build,
     emit,
     initial_peers,
@@ -67,7 +68,7 @@ def main(job: dict[str, Any]) -> None:
         target_batch_size=job["target"],
         batch_size_per_step=job["batch"],
         params=param_groups(model),
-        optimizer=lambda groups: torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99)),
+        optimizer=lambda groups: adamw(groups, lr),
         scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(
             inner, lambda epoch: lr_factor(job, epoch)
         ),

@@ -89,6 +89,14 @@ def lr_factor(job: dict[str, Any], global_step: int) -> float:
     return min(1.0, (global_step + 1) / max(1, job["warmup"]))
 
 
+def adamw(groups: list[dict[str, Any]], lr: float) -> torch.optim.AdamW:
+    """The AdamW of every system: fused (one kernel per step) where torch has it."""
+    try:
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), fused=True)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99))
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float = 0.01) -> list[dict[str, Any]]:
     """charlm's AdamW groups: decay on matrices and embeddings only."""
     params = list(model.parameters())

@@ -31,11 +31,10 @@ import os
 import sys
 from typing import Any
 
-import torch
-
 from benchmarks.training_wan.model import (
     Commands,
     Recorder,
+    adamw,
     build,
     emit,
     initial_peers,
@@ -78,7 +77,7 @@ def main(job: dict[str, Any]) -> None:
     with Peer(peer_config) as peer:
         emit({"address": peer.address})  # first: the others join meanwhile
         model, sampler = build(job)
-        inner = torch.optim.AdamW(param_groups(model), lr=job["lr"], betas=(0.9, 0.99))
+        inner = adamw(param_groups(model), job["lr"])
         # The start-up bandwidth probe (4 MiB each way to the initial peer) is a
         # joining cost, not a training one: let it end before "ready".
         peer.run(peer.probed(), timeout=120.0)

@@ -25,6 +25,7 @@ the training thread) and registers a collector of the rounds' figures.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import logging
@@ -484,14 +485,16 @@ class Collaboration:
                     action is Action.STEP
                     and not refreshed
                     and self._tracker.fetched_since < entered
-                    and not (self._closed and view.global_step == step)
+                    and not self._closed_with_partners(view, step)
                 ):
                     # Step on what the others said after our latest report: an
                     # older view may miss peers (all "blocked" when alone). A
-                    # step closed by the cut was decided on the others' samples
-                    # already; a read here cost a DHT round trip (30-80 ms
-                    # measured on 2 loaded cores) at every step, and a swarm
-                    # that moved on meanwhile is caught by the average's outcome.
+                    # step the cut closed with partners in view skips it: the
+                    # cut counted their samples already, the read cost a DHT
+                    # round trip (30-80 ms on 2 loaded cores) at every step, and
+                    # a swarm that moved on meanwhile is caught by the average's
+                    # outcome. A view without partners is read again: stepping
+                    # alone on a stale view made peers of one swarm diverge.
                     self.peer.run(self._tracker.refresh(), timeout=_RUN_MARGIN)
                     refreshed = True
                     continue
@@ -519,6 +522,14 @@ class Collaboration:
                 if self.metrics is not None:
                     self.metrics.observe("p2ptrain_train_wait_seconds", waited)
             self._computing_since = time.perf_counter()
+
+    def _closed_with_partners(self, view: SwarmProgress, step: int) -> bool:
+        """This peer closed ``step`` by the cut, on a view of that step with partners."""
+        return (
+            self._closed
+            and view.global_step == step
+            and view.expected_in_group(step, exclude=self.peer.peer_id) > 0
+        )
 
     def _prepare(self, step: int, num_elements: int, view: SwarmProgress) -> None:
         # Early groups are sized from the view of now: only form one when no
@@ -558,15 +569,31 @@ class Collaboration:
         """Whether other live peers are expected in the group of ``step``."""
         return self._tracker.view().expected_in_group(step, exclude=self.peer.peer_id) > 0
 
-    def begin_average(self, step: int, vector: torch.Tensor, weight: float) -> PendingAverage:
+    def begin_average(
+        self,
+        step: int,
+        vector: torch.Tensor,
+        weight: float,
+        *,
+        prepare: Callable[[], object] | None = None,
+    ) -> PendingAverage:
         """Start averaging ``vector`` for ``step`` on the peer's loop; the trainer
-        keeps computing and calls :meth:`end_average` (``vector`` must stay unchanged)."""
+        keeps computing and calls :meth:`end_average` (``vector`` must stay unchanged).
+
+        Args:
+            prepare: Called in a worker thread first (e.g. the codec's error
+                feedback, which may change ``vector`` in place).
+        """
         view = self._tracker.view()
         group_size = 1 + view.expected_in_group(step, exclude=self.peer.peer_id)
-        future = self.peer.submit(
-            self._averager.average(step, vector, weight, group_size=group_size)
-        )
-        return PendingAverage(step, future, time.perf_counter())
+        averager = self._averager
+
+        async def run() -> tuple[torch.Tensor, RoundOutcome]:
+            if prepare is not None:
+                await asyncio.to_thread(prepare)
+            return await averager.average(step, vector, weight, group_size=group_size)
+
+        return PendingAverage(step, self.peer.submit(run()), time.perf_counter())
 
     def end_average(
         self, pending: PendingAverage, *, blocked_since: float | None = None

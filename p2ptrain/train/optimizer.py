@@ -37,6 +37,7 @@ drift from the others.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -194,16 +195,22 @@ class CollaborativeOptimizer(SwarmTrainer):
                 self._carry = torch.zeros_like(self._accumulator)
                 self._carry_views = self._views_of(self._carry)
             views = self._carry_views
-        with torch.no_grad():
-            for p, acc in zip(self._params, views, strict=True):
-                grad = p.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise ConfigError("sparse gradients are not supported")
-                if batch_size:
-                    acc.add_(grad, alpha=batch_size)
-                p.grad = None
+        grads: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        for p, acc in zip(self._params, views, strict=True):
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise ConfigError("sparse gradients are not supported")
+            grads.append(grad)
+            targets.append(acc)
+            p.grad = None
+        if batch_size and grads:
+            # One call for all tensors: a per-tensor loop gives the network
+            # thread a chance to hold the GIL between every two adds.
+            with torch.no_grad():
+                torch._foreach_add_(targets, grads, alpha=batch_size)
         if carry:
             self._carried += batch_size
             self._carried_batches += int(batch_size > 0)
@@ -238,17 +245,33 @@ class CollaborativeOptimizer(SwarmTrainer):
         self._accumulator[-1] = 1.0  # becomes 1 / samples: the count marker
         vector = self._accumulator / max(samples, 1)  # all zeros when there are no samples
         vector = self._staging.to_host(vector)
-        if self._feedback is not None:
-            self._feedback.compensate(vector[:-1])  # not the count marker
+        feedback = self._feedback
         if self._policy is StepPolicy.CARRY and self._collaboration.expects_group(self._step):
             # Average in the background; batches computed meanwhile count toward
             # the next step, and the update is applied at the first step() after.
-            self._pending = (self._collaboration.begin_average(self._step, vector, samples), vector)
-            if self._carried_batches >= self.config.carry_batches:
+            filled = self._carried_batches >= self.config.carry_batches
+            if not filled and self._prediction is not None and samples > 0:
+                self._predict(vector)  # reads the vector before the codec's feedback changes it
+            # The codec's error feedback runs in a worker thread before the
+            # all-reduce, not on the training thread (measured ~0.1 s a step
+            # for 1.8M elements on loaded cores).
+            compensate = (
+                None
+                if feedback is None
+                else functools.partial(
+                    feedback.compensate,
+                    vector[:-1],  # not the count marker
+                )
+            )
+            average = self._collaboration.begin_average(
+                self._step, vector, samples, prepare=compensate
+            )
+            self._pending = (average, vector)
+            if filled:
                 return self._finish_step()  # the batch in flight at the cut filled the carry
-            if self._prediction is not None and samples > 0:
-                self._predict(vector)
             return False
+        if feedback is not None:
+            feedback.compensate(vector[:-1])  # not the count marker
         averaged = self._average(vector, float(samples))
         if averaged is None:  # the swarm's state was downloaded instead
             return True
@@ -265,6 +288,7 @@ class CollaborativeOptimizer(SwarmTrainer):
             own = vector[offset : offset + p.numel()].view(p.shape)
             grads.append(self._staging.to_device(own, p))
             offset += p.numel()
+        self._staging.settle()  # the copies read the vector, which the feedback changes next
         with self._lock:
             self._prediction.install(grads)
 

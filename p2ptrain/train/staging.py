@@ -66,6 +66,15 @@ class HostStaging:
                 synchronize()
         return host
 
+    def settle(self) -> None:
+        """Wait for the non-blocking copies :meth:`to_device` queued (no-op on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        elif self.device.type != "cpu":
+            synchronize = getattr(getattr(torch, self.device.type, None), "synchronize", None)
+            if callable(synchronize):
+                synchronize()
+
     def to_device(self, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``value`` (host memory) as a tensor on ``like``'s device with its dtype."""
         return value.to(device=like.device, dtype=like.dtype, non_blocking=True)

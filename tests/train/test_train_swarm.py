@@ -22,6 +22,7 @@ from train_worker import (
 )
 from training_peers import BATCH, X, Y, in_threads, make_inner, start_peers, train_steps
 
+from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
 from p2ptrain.train.config import TrainerConfig
@@ -188,4 +189,47 @@ def test_a_peer_two_steps_behind_downloads_the_state_at_its_next_step() -> None:
         for peer in swarm:
             peer.close()
     for a, b in zip(models[2].parameters(), models[0].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_overlapped_steps_with_fp16_feedback_keep_every_peer_on_the_same_parameters() -> None:
+    """Under ``carry`` the codec's error feedback runs in a worker thread before the
+    all-reduce: it still runs (a residual is kept), and every peer applies the same
+    average to the same parameters."""
+    peers = start_peers(2)
+    config = TrainerConfig(
+        run_id="overlap-fp16",
+        target_batch_size=4 * BATCH,
+        step_policy="carry",
+        carry_batches=1,
+        allreduce=AllReduceConfig(codec="fp16"),
+        progress=FAST_PROGRESS,
+    )
+    models = [make_model(0) for _ in peers]
+    opts = [
+        CollaborativeOptimizer(make_inner(m), peer=p, config=config)
+        for m, p in zip(models, peers, strict=True)
+    ]
+    try:
+        for opt in opts:
+            opt.start()
+        assert all(opt.wait_for_peers(2, timeout=20.0) for opt in opts)
+        finals = in_threads(
+            [
+                lambda i=i: train_steps(opts[i], models[i], i, 2, 4)  # type: ignore[misc]
+                for i in range(2)
+            ]
+        )
+        for opt in opts:
+            opt.close()  # applies a step still averaging
+    finally:
+        for peer in peers:
+            peer.close()
+    assert min(finals) >= 4
+    assert opts[0].global_step == opts[1].global_step
+    assert all(opt.stats.rounds >= 4 and opt.stats.local_rounds == 0 for opt in opts)
+    for opt in opts:
+        feedback = opt._feedback
+        assert feedback is not None and float(feedback.residual.abs().sum()) > 0
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
