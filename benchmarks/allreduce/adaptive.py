@@ -3,7 +3,7 @@
 Same eight peers and tbf links as ``allreduce/hetero.py``, in fresh star labs:
 
 * **measured**: no configured rate anywhere. Each peer probes all the others
-  at once (``probe_peers``, 2 MiB each), one prober at a time, as
+  at once (``probe_peers``, each way for ``PROBE_SECONDS``), one prober at a time, as
   newcomers joining one by one would probe their initial peers, into its own
   :class:`~p2ptrain.measure.estimates.LinkEstimator`; every round's report
   goes into it too (receiver-timed streams). Before every round the parent
@@ -39,8 +39,8 @@ from p2ptrain.testing.natlab.netns import python_env
 __all__ = ["run_adaptive"]
 
 MiB = 1 << 20
-PROBE_BYTES = 14 << 20
-"""Probe bytes of one peer, split among the others (2 MiB each)."""
+PROBE_SECONDS = 0.5
+"""Seconds each direction of a peer's probe of all the others lasts."""
 ADAPT_TOLERANCE = 0.15
 
 
@@ -106,7 +106,7 @@ class _Runner:
             commands[i] = {
                 "cmd": "probe",
                 "targets": [str(a) for j, a in enumerate(self.addresses) if j != i],
-                "nbytes": PROBE_BYTES,
+                "seconds": PROBE_SECONDS,
             }
             reply = self.group.request(commands, timeout=self.timeout)[i]
             if not reply.get("probed"):
