@@ -683,10 +683,10 @@ def test_the_latency_term_follows_its_formula() -> None:
     assert latency_s(0.0, 1e9, V) == 0.0
     # 50 Mbit/s over 40 ms holds 250 kB: a round trip and the slow-start ramp, per phase.
     window = 0.04 * 6.25e6
-    ramp = 0.04 * math.log2(window / INITIAL_WINDOW_BYTES) - 2 * window / 6.25e6
+    ramp = 0.04 * math.log2(window / INITIAL_WINDOW_BYTES) - window / 6.25e6
     assert latency_s(0.04, 6.25e6, V) == pytest.approx(2 * (0.04 + ramp))
     # A vector smaller than the path's capacity fills only its own size.
-    small = 0.04 * math.log2(100_000 / INITIAL_WINDOW_BYTES) - 2 * 100_000 / 6.25e6
+    small = 0.04 * math.log2(100_000 / INITIAL_WINDOW_BYTES) - 100_000 / 6.25e6
     assert latency_s(0.04, 6.25e6, 100_000) == pytest.approx(2 * (0.04 + small))
     assert latency_s(0.04, 6.25e6, 1000) == pytest.approx(2 * 0.04)  # below one window
     assert latency_s(0.001, 6.25e6, V) == pytest.approx(0.002)  # a LAN: the ramp costs nothing
