@@ -336,6 +336,12 @@ def _adaptive_report(h: dict[str, Any]) -> None:
         f" {h['throttle_s']:.3f} s vs {h['throttle_predicted_s']:.3f} s predicted for the new"
         f" rates (goal within {ADAPT_TOLERANCE:.0%})"
     )
+    print(
+        f"  throttle: the configured new rates' plan achieved"
+        f" {h['throttle_configured_plan_s']:.3f} s on the same links;"
+        f" within {ADAPT_TOLERANCE:.0%} of it after"
+        f" {h['throttle_rounds_to_match_configured']} round(s)"
+    )
     for row in h["rtt_rows"]:
         print(
             f"  {h['rtt_ms']:g} ms RTT, {row['mib']} MiB: {row['achieved_s']:.3f} s vs"

@@ -68,13 +68,13 @@ def held_out(model: torch.nn.Module, windows: torch.Tensor) -> float:
 
 
 def train_one(name: str, codec: str, feedback: bool, args: argparse.Namespace) -> Row:
-    first = Peer(PeerConfig(dht=DHTNodeConfig(), matchmaking=MATCHMAKING, probe_bytes=None))
+    first = Peer(PeerConfig(dht=DHTNodeConfig(), matchmaking=MATCHMAKING, probe_seconds=None))
     first.start()
     second = Peer(
         PeerConfig(
             dht=DHTNodeConfig(initial_peers=(first.address,)),
             matchmaking=MATCHMAKING,
-            probe_bytes=None,
+            probe_seconds=None,
         )
     )
     second.start()

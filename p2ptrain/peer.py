@@ -53,9 +53,9 @@ from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError
-from p2ptrain.measure.estimates import EstimatorConfig, LinkEstimator, StreamTiming
+from p2ptrain.measure.estimates import EstimatorConfig, LinkEstimator
 from p2ptrain.measure.latency import known_rtts
-from p2ptrain.measure.probe import DEFAULT_PROBE_BYTES, MAX_PROBE_BYTES, probe_peers
+from p2ptrain.measure.probe import DEFAULT_PROBE_SECONDS, MAX_PROBE_SECONDS, probe_peers
 from p2ptrain.node.address import PeerAddress, is_loopback_host
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
@@ -95,6 +95,9 @@ class PeerConfig:
         start_timeout: Seconds :meth:`Peer.start` may take (bootstrap included).
         close_timeout: Seconds :meth:`Peer.close` waits for a clean shutdown.
         use_uvloop: Run the loop on uvloop (default: when installed).
+        probe_seconds: Seconds each direction of the timed bandwidth probe of
+            the initial peers lasts (at start, and after a round that ran
+            late); ``None`` never probes.
         nat: NAT traversal (reachability, rendezvous, hole punching, WebRTC,
             relays): ``"auto"`` (the default, as ``p2ptrain train``) is
             ``NATConfig()`` unless the node listens on a loopback address;
@@ -111,7 +114,7 @@ class PeerConfig:
     start_timeout: float = 60.0
     close_timeout: float = 10.0
     use_uvloop: bool | None = None
-    probe_bytes: int | None = DEFAULT_PROBE_BYTES
+    probe_seconds: float | None = DEFAULT_PROBE_SECONDS
     nat: NATConfig | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
@@ -130,13 +133,15 @@ class PeerConfig:
             check_number(f"PeerConfig.{name}", getattr(self, name))
         if self.use_uvloop is not None and not isinstance(self.use_uvloop, bool):
             raise ConfigError("PeerConfig.use_uvloop must be a bool or None")
-        probe = self.probe_bytes
+        probe = self.probe_seconds
         if probe is not None and (
             isinstance(probe, bool)
-            or not isinstance(probe, int)
-            or not 0 < probe <= MAX_PROBE_BYTES
+            or not isinstance(probe, int | float)
+            or not 0 < probe <= MAX_PROBE_SECONDS
         ):
-            raise ConfigError(f"PeerConfig.probe_bytes must be None or in (0, {MAX_PROBE_BYTES}]")
+            raise ConfigError(
+                f"PeerConfig.probe_seconds must be None or in (0, {MAX_PROBE_SECONDS}]"
+            )
         if self.nat is not None and self.nat != "auto":
             from p2ptrain.nat.config import NATConfig  # noqa: PLC0415 - see TYPE_CHECKING
 
@@ -284,13 +289,13 @@ class Peer:
 
     def _reprobe(self) -> None:
         """Probe the initial peers (at start, and after a round that ran late), one at a time."""
-        nbytes = self.config.probe_bytes
-        if nbytes is None or not self._probe_targets:
+        seconds = self.config.probe_seconds
+        if seconds is None or not self._probe_targets:
             return
         if self._probe is not None and not self._probe.done():
             return
         self._probe = asyncio.get_running_loop().create_task(
-            self._probe_links(self._probe_targets, nbytes), name="bandwidth-probe"
+            self._probe_links(self._probe_targets, seconds), name="bandwidth-probe"
         )
 
     async def probed(self) -> None:
@@ -298,17 +303,14 @@ class Peer:
         if self._probe is not None:
             await asyncio.shield(self._probe)
 
-    async def _probe_links(self, targets: list[PeerAddress], nbytes: int) -> None:
-        results = await probe_peers(self.node, targets, nbytes=nbytes)
+    async def _probe_links(self, targets: list[PeerAddress], seconds: float) -> None:
+        results = await probe_peers(self.node, targets, seconds=seconds)
         if not results:
             return
         first = results[0]
-        self.throughput.record_upload(first.nbytes, first.upload_s)
-        self.throughput.record_download(first.nbytes, first.download_s)
-        self.links.observe_probe(
-            [StreamTiming(r.nbytes, r.upload_s) for r in results],
-            [StreamTiming(r.nbytes, r.download_s) for r in results],
-        )
+        self.throughput.record_upload(first.upload.nbytes, first.upload.seconds)
+        self.throughput.record_download(first.download.nbytes, first.download.seconds)
+        self.links.observe_probe([r.upload for r in results], [r.download for r in results])
         logger.info(
             "measured this peer's links against %d peers: up %.1f MB/s, down %.1f MB/s",
             len(results),

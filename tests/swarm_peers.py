@@ -81,14 +81,16 @@ def swarm(
     model = model or mlp_model()
     config = config or server_config()
     configs = config if isinstance(config, list) else [config] * len(stages)
-    first = Peer(replace(peer_config((), FAST_MATCHMAKING), nat=None, probe_bytes=None))
+    first = Peer(replace(peer_config((), FAST_MATCHMAKING), nat=None, probe_seconds=None))
     first.start()
     peers: list[Peer] = []
     servers: list[StageServer] = []
     try:
         for _ in stages:
             peer = Peer(
-                replace(peer_config((first.address,), FAST_MATCHMAKING), nat=None, probe_bytes=None)
+                replace(
+                    peer_config((first.address,), FAST_MATCHMAKING), nat=None, probe_seconds=None
+                )
             )
             peer.start()
             peers.append(peer)

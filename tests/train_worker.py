@@ -152,8 +152,8 @@ def peer_with_absent_partner(*, window: float, run_id: str, target: int) -> Iter
     """A started peer whose step groups wait ``window`` seconds for a second peer:
     one online in ``run_id`` at step 0 that never matchmakes (nor states a batch)."""
     slow = MatchmakingConfig(window=window, poll_interval=0.05)
-    with Peer(PeerConfig(matchmaking=slow, probe_bytes=None)) as first:
-        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_bytes=None)
+    with Peer(PeerConfig(matchmaking=slow, probe_seconds=None)) as first:
+        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_seconds=None)
         with Peer(joined) as absent:
             tracker = ProgressTracker(
                 dht=absent.dht,

@@ -80,7 +80,6 @@ async def _serve_p2ptrain(
 
     from p2ptrain.allreduce import AllReduceConfig, AllReduceService, GroupPlan
     from p2ptrain.measure import LinkEstimator
-    from p2ptrain.measure.estimates import StreamTiming
     from p2ptrain.measure.latency import measure_rtts
     from p2ptrain.measure.probe import probe_peers
     from p2ptrain.node.address import PeerAddress
@@ -127,11 +126,8 @@ async def _serve_p2ptrain(
                 links = service.links
                 assert links is not None
                 targets = [PeerAddress.parse(a) for a in command["targets"]]
-                results = await probe_peers(node, targets, nbytes=command["nbytes"])
-                links.observe_probe(
-                    [StreamTiming(r.nbytes, r.upload_s) for r in results],
-                    [StreamTiming(r.nbytes, r.download_s) for r in results],
-                )
+                results = await probe_peers(node, targets, seconds=command["seconds"])
+                links.observe_probe([r.upload for r in results], [r.download for r in results])
                 write_message({"probed": len(results)})
                 continue
             if command["cmd"] == "rtt":

@@ -108,7 +108,7 @@ def _peer(join: str | None, *, fast: bool = True) -> Peer:
     peer = Peer(
         PeerConfig(
             nat=None,
-            probe_bytes=None,
+            probe_seconds=None,
             matchmaking=FAST_MATCHMAKING if fast else MatchmakingConfig(),
             dht=DHTNodeConfig(initial_peers=initial, request_timeout=2.0),
         )

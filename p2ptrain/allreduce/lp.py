@@ -22,7 +22,9 @@ stages:
    with one scalar ``μ``). A QP solver here would only be accurate to its
    gap tolerance, which bounds ``‖Δw‖²``, not ``‖Δw‖``;
    ``docs/load-balancing.md`` gives the measurements and the choice of
-   objective.
+   objective. A peer that takes within ``binding_margin`` of ``T*`` at its
+   least share counts as binding (``h_i = l_i``): measured rates are not
+   exact, and slack smaller than their error is not there on the real link.
 
 The LP is built once per group size with cvxpy Parameters (it is DPP),
 cached, and re-solved with new parameter values, so a re-plan costs a few
@@ -114,12 +116,18 @@ class LoadBalancerConfig:
             tolerances and is slower; ``"OSQP"`` is not suited to LPs.
         tie_tolerance: Relative slack on the optimal round time the tie-break
             may use; in [0, 0.1). Plans come within this factor of the optimum.
+        binding_margin: A peer whose transfers at its least share already
+            take at least ``T*/(1 + binding_margin)`` is treated as binding by
+            the tie-break: it gets no more than that least share (unless the
+            others cannot take the rest within ``T*``). Its apparent slack is
+            within the error of measured rates; in [0, 1). 0 turns this off.
         max_cached_sizes: How many group sizes keep their compiled LP (least
             recently used are dropped); at least 1.
     """
 
     solver: str = "CLARABEL"
     tie_tolerance: float = 1e-6
+    binding_margin: float = 0.1
     max_cached_sizes: int = 32
 
     def __post_init__(self) -> None:
@@ -132,6 +140,9 @@ class LoadBalancerConfig:
         tol = self.tie_tolerance
         if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 <= tol < 0.1:
             raise ConfigError(f"tie_tolerance must be a number in [0, 0.1), got {tol!r}")
+        margin = self.binding_margin
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
+            raise ConfigError(f"binding_margin must be a number in [0, 1), got {margin!r}")
         size = self.max_cached_sizes
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"max_cached_sizes must be an int >= 1, got {size!r}")
@@ -251,6 +262,13 @@ class _PeerTimes:
         down = self.down_slope * shares + self.down_offset
         return float(max(np.max(up), np.max(down)))
 
+    def times_at(self, shares: FloatArray) -> FloatArray:
+        """Each peer's time (the longer direction) at ``shares``, in scaled units."""
+        up = self.up_slope * shares + self.up_offset
+        down = self.down_slope * shares + self.down_offset
+        result: FloatArray = np.maximum(up, down)
+        return result
+
     def share_bounds(self, cap: FloatArray, limit: float) -> tuple[FloatArray, FloatArray]:
         """Bounds ``(lower, upper)`` on each share so its transfers last at most ``limit``."""
         lower = np.zeros_like(cap)
@@ -261,6 +279,26 @@ class _PeerTimes:
             upper = np.where(slope > 0, np.minimum(upper, edge), upper)
             lower = np.where(slope < 0, np.maximum(lower, edge), lower)
         return lower, upper
+
+
+def _pin_near_binding(
+    times: _PeerTimes, lower: FloatArray, upper: FloatArray, limit: float, margin: float
+) -> FloatArray:
+    """``upper`` with peers within ``margin`` of binding held to their least share.
+
+    A peer whose time grows with its share and already takes at least
+    ``limit / (1 + margin)`` at its least share keeps that share. Peers of
+    (nearly) equal measured links would otherwise get whatever slack the
+    measurement noise shows: a home measured 46 Mbit/s next to one measured
+    42 aggregates, and on the real (equal) links it becomes the slowest.
+    Nothing changes when the others cannot take the rest within ``limit``.
+    """
+    if margin <= 0:
+        return upper
+    grows = (times.up_slope > 0) | (times.down_slope > 0)
+    near = grows & (times.times_at(lower) * (1.0 + margin) >= limit)
+    pinned = np.where(near, lower, upper)
+    return pinned if float(pinned.sum()) >= 1.0 else upper
 
 
 class _RoundTimeLP:
@@ -458,6 +496,7 @@ class LoadBalancer:
         limit = best * (1.0 + self._config.tie_tolerance)
         lower, upper = times.share_bounds(cap, limit)
         lower, upper = np.minimum(lower, first), np.maximum(upper, first)  # absorb rounding
+        upper = _pin_near_binding(times, lower, upper, limit, self._config.binding_margin)
         final = project_onto_capped_simplex(reference, lower, upper)
         final = final / float(final.sum())
         elapsed = time.perf_counter() - started

@@ -35,15 +35,15 @@ and each starts on a connection that sat idle since the last round, so TCP
 retransmission timeout) begins again from its initial window of
 :data:`INITIAL_WINDOW_BYTES` and doubles it once per round trip until it
 holds what the path holds, ``window = min(V, r·RTT)``. That takes
-``log2(window / W0)`` round trips, during which about ``2·window`` bytes
-still went out, so a phase loses ``RTT·log2(window / W0) − 2·window / r``
+``log2(window / W0)`` round trips, during which ``W0 + 2·W0 + … + window/2
+≈ window`` bytes went out, so a phase loses ``RTT·log2(window / W0) − window / r``
 beyond its bandwidth time. Every connection of the round ends on the
 group's slowest link (a fast peer's streams ramp up no faster than their
 slow partners), so ``r`` is the group's slowest rate::
 
-    L_i = 2·RTT_i + 2·max(0, RTT_i·log2(window_i / W0) − 2·window_i / r_min)
+    L_i = 2·RTT_i + 2·max(0, RTT_i·log2(window_i / W0) − window_i / r_min)
 
-On 40 ms paths with a 50 Mbit/s slowest link that is 0.27 s: more than the
+On 40 ms paths with a 50 Mbit/s slowest link that is 0.33 s: more than the
 bandwidth time of a 1 MiB round, a tenth of a 16 MiB one
 (``bench_allreduce.py``'s RTT rows)."""
 
@@ -177,7 +177,7 @@ class TrafficCoefficients:
 def latency_s(rtt_s: float, slowest_bytes_per_s: float, vector_bytes: float) -> float:
     """Seconds a round costs beyond its bandwidth time, for a peer ``rtt_s`` from the others.
 
-    ``2·RTT + 2·max(0, RTT·log2(w / W0) − 2·w / r)`` with ``w = min(vector_bytes, r·RTT)``,
+    ``2·RTT + 2·max(0, RTT·log2(w / W0) − w / r)`` with ``w = min(vector_bytes, r·RTT)``,
     ``r`` the group's slowest rate and ``W0`` = :data:`INITIAL_WINDOW_BYTES`: a round
     trip and the slow-start ramp of each of the round's two phases (module docstring).
     """
@@ -185,7 +185,7 @@ def latency_s(rtt_s: float, slowest_bytes_per_s: float, vector_bytes: float) -> 
         return 0.0
     window = min(vector_bytes, slowest_bytes_per_s * rtt_s)
     ramp = rtt_s * math.log2(max(window / INITIAL_WINDOW_BYTES, 1.0))
-    ramp -= 2 * window / slowest_bytes_per_s
+    ramp -= window / slowest_bytes_per_s
     return ROUND_PHASES * (rtt_s + max(ramp, 0.0))
 
 

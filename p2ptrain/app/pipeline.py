@@ -162,7 +162,7 @@ def run_pipeline_peer(
         dht=DHTNodeConfig(initial_peers=config.initial_peers, request_timeout=2.0),
         identity_path=config.identity_path,
         nat=None,
-        probe_bytes=None,
+        probe_seconds=None,
     )
     with Peer(peer_config) as peer:
         stage = config.stage

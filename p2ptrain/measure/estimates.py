@@ -10,14 +10,16 @@ uploads faster than their links).
 
 One round, or one probe of several peers at once, gives one observation per
 direction: the bytes of the streams that moved at least ``min_bytes`` over
-the longest of their spans (they run side by side and share the link;
-where they did not quite overlap this errs low, which the maximum below
-absorbs, and never high, which it would keep). Summing the streams' own
+the longest of their spans (they run side by side and share the link).
+That is exact for streams that overlap fully, as a timed probe's do by
+construction; streams that were staggered (a round's averages leaving
+after its parts) took longer together than the longest of them, so there
+it errs high, though never above the sum of their rates. Summing the streams' own
 rates instead was tried for probes: on the shaped benchmark it showed
 50 Mbit/s uploads as 55–62 and 100 Mbit/s downloads as up to 277 (short
 streams time the shapers' bursts), and an over-estimate is what a maximum
-keeps. What a round
-shows is a lower bound: a peer whose partners are slower, or whose share is
+keeps. Staggering
+aside, what a round shows is a lower bound: a peer whose partners are slower, or whose share is
 small, moves less than its link can carry. So :class:`LinkEstimator` keeps a
 *decayed maximum* per direction, ``estimate ← max(observation, decay ·
 estimate)``, with no decay by default: a decay would let a well-connected
@@ -107,8 +109,11 @@ def combined_rate(timings: Iterable[StreamTiming], *, min_bytes: int) -> float |
     """The rate of streams that ran side by side: their bytes over the longest span.
 
     Only streams that moved at least ``min_bytes`` count (None if none did).
-    Streams that did not fully overlap make this an under-estimate, never an
-    over-estimate (a sum of rates would count staggered streams twice).
+    Exact for streams that overlapped fully. Staggered streams took longer
+    together than the longest of them, so for them this is an over-estimate,
+    though at most the sum of their rates (which counts fully staggered
+    streams twice). The spans come from different receivers' clocks, so
+    their union cannot be taken here.
     """
     used = [t for t in timings if t.nbytes >= min_bytes and t.seconds > 0]
     if not used:

@@ -1,21 +1,32 @@
-"""A short bandwidth probe, for a peer that has not measured its links yet.
+"""Bandwidth probes, for a peer that has not measured its links yet.
 
-Until a peer has taken part in an all-reduce round, its
-:class:`~p2ptrain.measure.meters.ThroughputMeter` has nothing to report
-and matchmaking would announce a guess. :func:`probe_throughput` measures
-both directions against one other peer instead, each where the bytes arrive:
+Until a peer has taken part in an all-reduce round, nothing tells it what
+its links carry and matchmaking would announce a guess. Two probes measure
+both directions, each where the bytes arrive.
 
-1. the prober opens a stream to :data:`PROBE_METHOD` and asks for ``n`` bytes
-   back after sending ``u`` bytes;
-2. the server gets ready to time the next payload and says so;
-3. the prober sends ``u`` bytes; the server times them from their first bytes
-   (the message's header) to their last and answers with that time and
-   ``n`` bytes, which the prober times the same way.
+**Timed probe** (:func:`probe_peers`, what a peer runs at start): the prober
+opens a stream to every target at once and, in step on all of them,
+
+1. asks each to get ready (``{"d": seconds}``);
+2. sends on every stream for the same ``seconds`` (then ``{"end": true}``);
+   each target times what arrived (payload bytes over the span from the
+   first header to the last read) and answers with it;
+3. once all have answered, asks them all to send (``{"down": true}``); each
+   sends for ``seconds`` and the prober times every stream the same way.
+
+Every stream runs for the same time, so the streams together show what this
+peer's link carried while all of them were busy: a byte-bounded probe (the
+same bytes to every target) was timed by its slowest partner's stream, and
+showed a 1000 Mbit/s link among 50–200 Mbit/s partners as 650 up and 340 down.
+What the partners' own links cannot take is still not seen: a link faster
+than its partners together is measured as their sum.
+
+**Byte probe** (:func:`probe_throughput`, one target, ``u`` bytes up and
+``n`` back): kept for :func:`measure_if_unknown` and small checks.
 
 Waiting (the round trips in between, the other side's scheduling) is never
-counted as transfer time. One probe moves a few megabytes: on a fast link it
-measures latency and CPU as much as bandwidth, which is why a measured round
-replaces it as soon as there is one (see :func:`measure_if_unknown`).
+counted as transfer time. A measured round replaces or raises what a probe
+found (see :class:`~p2ptrain.measure.estimates.LinkEstimator`).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from p2ptrain.errors import ConfigError, P2PTrainError, RemoteProtocolError
+from p2ptrain.measure.estimates import ArrivalTimer, StreamTiming
 from p2ptrain.measure.meters import ThroughputMeter
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
@@ -34,9 +46,12 @@ from p2ptrain.rpc.stream import RPCStream
 
 __all__ = [
     "DEFAULT_PROBE_BYTES",
+    "DEFAULT_PROBE_SECONDS",
     "MAX_PROBE_BYTES",
+    "MAX_PROBE_SECONDS",
     "PROBE_METHOD",
     "ProbeResult",
+    "TimedProbeResult",
     "measure_if_unknown",
     "probe_peers",
     "probe_throughput",
@@ -47,7 +62,15 @@ PROBE_METHOD: Final = "allreduce/probe/v1"
 DEFAULT_PROBE_BYTES: Final = 4 << 20
 """Bytes sent each way by default."""
 MAX_PROBE_BYTES: Final = 16 << 20
-"""Most bytes a server accepts or sends back in one probe."""
+"""Most bytes a server accepts or sends back in one byte probe."""
+DEFAULT_PROBE_SECONDS: Final = 0.5
+"""Seconds each direction of a timed probe sends."""
+MAX_PROBE_SECONDS: Final = 5.0
+"""Longest timed probe a server takes part in (each direction)."""
+MAX_TIMED_BYTES: Final = 256 << 20
+"""Most bytes one stream of a timed probe may carry each way (1 s at 2 Gbit/s)."""
+_TIMED_CHUNK: Final = 64 << 10
+"""Payload bytes per message of a timed probe."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +96,19 @@ class ProbeResult:
     def download_bytes_per_s(self) -> float:
         """The prober's download rate."""
         return self.nbytes / self.download_s
+
+
+@dataclass(frozen=True, slots=True)
+class TimedProbeResult:
+    """What one stream of a timed probe carried, each way timed where it arrived.
+
+    Attributes:
+        upload: The prober's bytes and their span at the target.
+        download: The target's bytes and their span at the prober.
+    """
+
+    upload: StreamTiming
+    download: StreamTiming
 
 
 class _ArrivalClock:
@@ -102,6 +138,9 @@ async def _serve(context: CallContext, stream: RPCStream) -> None:
     request = (await stream.recv()).body
     if not isinstance(request, dict):
         raise RemoteProtocolError("a probe request must be a map")
+    if "d" in request:
+        await _serve_timed(stream, _seconds(request.get("d")))
+        return
     upload = _size(request.get("u"), "upload bytes")
     download = _size(request.get("n"), "download bytes")
     clock = _ArrivalClock(stream)
@@ -111,6 +150,65 @@ async def _serve(context: CallContext, stream: RPCStream) -> None:
     if len(memoryview(message.payload)) != upload:
         raise RemoteProtocolError(f"expected {upload} probe bytes")
     await stream.send({"s": seconds}, bytes(download), end=True)
+
+
+def _seconds(value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value <= MAX_PROBE_SECONDS
+    ):
+        raise RemoteProtocolError(f"probe seconds must be a number in (0, {MAX_PROBE_SECONDS}]")
+    return float(value)
+
+
+def _is_end(body: object) -> bool:
+    return isinstance(body, dict) and body.get("end") is True
+
+
+async def _receive_timed(stream: RPCStream) -> StreamTiming:
+    """Read payload messages until ``{"end": true}``; their bytes and span where they arrived."""
+    loop = asyncio.get_running_loop()
+    timer = ArrivalTimer()
+
+    def arriving(body: object, nbytes: int) -> None:
+        timer.arriving(loop.time())
+
+    stream.receive_payloads_into(arriving)
+    try:
+        while True:
+            message = await stream.recv()
+            nbytes = len(memoryview(message.payload))
+            if nbytes:
+                timer.read(nbytes, loop.time())
+            if timer.nbytes > MAX_TIMED_BYTES:
+                raise RemoteProtocolError(f"a timed probe carries at most {MAX_TIMED_BYTES} bytes")
+            if _is_end(message.body):
+                return timer.timing()
+    finally:
+        stream.receive_payloads_into(None)
+
+
+async def _send_timed(stream: RPCStream, seconds: float, *, end: bool) -> None:
+    """Send payload messages for ``seconds`` (at most :data:`MAX_TIMED_BYTES`), then the end."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    chunk = bytes(_TIMED_CHUNK)
+    sent = 0
+    while loop.time() < deadline and sent + len(chunk) <= MAX_TIMED_BYTES:
+        await stream.send(None, chunk)
+        sent += len(chunk)
+    await stream.send({"end": True}, end=end)
+
+
+async def _serve_timed(stream: RPCStream, seconds: float) -> None:
+    await stream.send({"ready": True})
+    timing = await _receive_timed(stream)
+    await stream.send({"b": timing.nbytes, "s": timing.seconds})
+    go = await stream.recv()
+    if not (isinstance(go.body, dict) and go.body.get("down") is True):
+        raise RemoteProtocolError("a timed probe expects {'down': true} before it sends")
+    await _send_timed(stream, seconds, end=True)
 
 
 def serve_probes(node: Node) -> None:
@@ -162,31 +260,89 @@ async def probe_throughput(
     return ProbeResult(nbytes, float(upload_s), download_s)
 
 
+def _timing_reply(body: object) -> StreamTiming:
+    if not isinstance(body, dict):
+        raise RemoteProtocolError("a timed probe reply must be a map")
+    nbytes, seconds = body.get("b"), body.get("s")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise RemoteProtocolError("a timed probe reply needs the bytes received")
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not math.isfinite(seconds)
+        or seconds < 0
+    ):
+        raise RemoteProtocolError("a timed probe reply needs the seconds they took")
+    return StreamTiming(nbytes, float(seconds))
+
+
 async def probe_peers(
     node: Node,
     targets: list[PeerAddress],
     *,
-    nbytes: int = DEFAULT_PROBE_BYTES,
+    seconds: float = DEFAULT_PROBE_SECONDS,
     timeout: float = 10.0,
-) -> list[ProbeResult]:
-    """Probe every target at once, ``nbytes`` split among them; what those that answered gave.
+) -> list[TimedProbeResult]:
+    """Probe every target at once, each way for ``seconds``; what those that answered gave.
 
-    Run at the same time, the probes share this peer's links: together they
-    show what its links carried towards (and from) all of them, which a
-    single slow partner would hide. Each target gets at least 1 MiB.
+    All streams send in step (every target ready first; downloads only once
+    every upload was timed), so they share this peer's links for the same
+    time: together (:func:`~p2ptrain.measure.estimates.combined_rate`) they
+    show what its links carried towards (and from) all of them. A target
+    that fails at any step is left out.
+
+    Raises:
+        ConfigError: ``seconds`` out of range.
     """
+    if not 0 < seconds <= MAX_PROBE_SECONDS:
+        raise ConfigError(f"seconds must be in (0, {MAX_PROBE_SECONDS}]")
     if not targets:
         return []
-    each = max(nbytes // len(targets), min(nbytes, 1 << 20))
 
-    async def one(target: PeerAddress) -> ProbeResult | None:
+    async def ready(target: PeerAddress) -> RPCStream | None:
         try:
-            return await probe_throughput(node, target, nbytes=each, timeout=timeout)
+            stream = await node.open_stream(target, PROBE_METHOD, timeout=timeout)
         except P2PTrainError:
             return None
+        try:
+            async with asyncio.timeout(timeout):
+                await stream.send({"d": seconds})
+                await stream.recv()  # ready
+        except (P2PTrainError, TimeoutError):
+            await stream.aclose()
+            return None
+        return stream
 
-    results = await asyncio.gather(*(one(t) for t in targets))
-    return [r for r in results if r is not None]
+    async def upload(stream: RPCStream) -> StreamTiming | None:
+        try:
+            async with asyncio.timeout(timeout + seconds):
+                await _send_timed(stream, seconds, end=False)
+                return _timing_reply((await stream.recv()).body)
+        except (P2PTrainError, TimeoutError):
+            return None
+
+    async def download(stream: RPCStream) -> StreamTiming | None:
+        try:
+            async with asyncio.timeout(timeout + seconds):
+                await stream.send({"down": True}, end=True)
+                return await _receive_timed(stream)
+        except (P2PTrainError, TimeoutError):
+            return None
+
+    opened = await asyncio.gather(*(ready(t) for t in targets))
+    streams = [s for s in opened if s is not None]
+    try:
+        ups = await asyncio.gather(*(upload(s) for s in streams))
+        live = [(s, up) for s, up in zip(streams, ups, strict=True) if up is not None]
+        downs = await asyncio.gather(*(download(s) for s, _ in live))
+    finally:
+        for stream in streams:
+            await stream.aclose()
+    return [
+        TimedProbeResult(up, down)
+        for (_, up), down in zip(live, downs, strict=True)
+        if down is not None and up.seconds > 0 and down.seconds > 0
+    ]
 
 
 async def measure_if_unknown(

@@ -128,7 +128,7 @@ def test_the_swarm_averager_averages_in_groups_above_the_group_size() -> None:
         for _ in range(5):
             initial = (peers[0].address,) if peers else ()
             config = PeerConfig(
-                dht=DHTNodeConfig(initial_peers=initial), matchmaking=quick, probe_bytes=None
+                dht=DHTNodeConfig(initial_peers=initial), matchmaking=quick, probe_seconds=None
             )
             peers.append(Peer(config).__enter__())
         averagers = [

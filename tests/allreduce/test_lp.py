@@ -37,6 +37,7 @@ from p2ptrain.errors import AllReduceError, ConfigError
 MB = 1e6
 V = 100 * MB  # a 100 MB vector
 TIE = LoadBalancerConfig().tie_tolerance
+MARGIN = LoadBalancerConfig().binding_margin
 BALANCER = LoadBalancer()  # shared, so the compiled problems are reused across tests
 HIGHS_BALANCER = LoadBalancer(LoadBalancerConfig(solver="HIGHS"))
 
@@ -98,7 +99,9 @@ def _feasible(peers: Sequence[PeerCapacity], t: float) -> bool:
     return bool(np.all(lo <= hi)) and lo.sum() <= 1.0 <= hi.sum()
 
 
-def exact_plan(peers: Sequence[PeerCapacity], tie: float = TIE) -> tuple[float, np.ndarray]:
+def exact_plan(
+    peers: Sequence[PeerCapacity], tie: float = TIE, margin: float = MARGIN
+) -> tuple[float, np.ndarray]:
     """(T*, tie-broken shares) by bisection, mirroring LoadBalancer's definition."""
     t_equal = evaluate_round_time(equal_shares(peers), peers, V)
     low, high = 0.0, max(t_equal, 1e-300)
@@ -108,6 +111,14 @@ def exact_plan(peers: Sequence[PeerCapacity], tie: float = TIE) -> tuple[float, 
     t_star = high
     lo, hi = _intervals(peers, t_star * (1 + tie))
     b = np.array([min(p.upload_bytes_per_s, p.download_bytes_per_s) for p in peers])
+    # Peers whose traffic grows with their share and that need t*(1 + tie)/(1 + margin)
+    # already at their least share are held there, if the others can take the rest.
+    g = np.array([p.computes for p in peers], dtype=float)
+    k = g.sum() - 2 * g
+    at_least = (g + k * lo) * V / b
+    near = (k > 0) & (at_least * (1 + margin) >= t_star * (1 + tie))
+    if margin > 0 and np.where(near, lo, hi).sum() >= 1.0:
+        hi = np.where(near, lo, hi)
     ref = np.where([not p.client_mode for p in peers], b, 0.0)
     ref = ref / ref.sum()
     mu_lo, mu_hi = -2.0, 2.0
@@ -261,6 +272,33 @@ def test_solvers_agree(bandwidths: tuple[float, ...], solver: str) -> None:
     assert (reference.solver, result.solver) == ("CLARABEL", solver)
     np.testing.assert_allclose(result.shares, reference.shares, atol=1e-7)
     assert result.round_time_s == pytest.approx(reference.round_time_s, rel=1e-7)
+
+
+def test_near_binding_peers_get_no_share() -> None:
+    # Two slow peers 5 % apart: the faster one's slack is within the margin.
+    peers = sym(1.0, 1.05, 10.0, 100.0)
+    shares = plan(peers)
+    assert shares[0] == pytest.approx(0.0, abs=1e-6)
+    assert shares[1] == pytest.approx(0.0, abs=1e-6)
+    off = LoadBalancer(LoadBalancerConfig(binding_margin=0.0))
+    loose = off.plan(peers, vector_bytes=V, target_batch_size=1)
+    assert loose.shares[1] > 0.01  # without the margin it aggregates
+    # Both plans are optimal: the margin only picks another point of the optimal face.
+    pinned = BALANCER.plan(peers, vector_bytes=V, target_batch_size=1)
+    assert pinned.round_time_s == pytest.approx(loose.round_time_s, rel=2 * TIE)
+    # 20 % apart: real slack, the faster one aggregates again.
+    assert plan(sym(1.0, 1.2, 10.0, 100.0))[1] > 0.01
+
+
+def test_the_margin_gives_way_when_the_others_cannot_take_the_rest() -> None:
+    # Three peers within 10 % of each other and no fast one: pinning them all
+    # would leave nobody to aggregate, so the ordinary bounds apply.
+    peers = sym(1.0, 1.04, 1.08)
+    t_star, shares = exact_plan(peers)
+    result = BALANCER.plan(peers, vector_bytes=V, target_batch_size=1)
+    assert result.round_time_s == pytest.approx(t_star, rel=1e-5)
+    np.testing.assert_allclose(result.shares, shares, atol=1e-6)
+    assert sum(result.shares) == pytest.approx(1.0)
 
 
 def test_matches_exact_solver_on_degenerate_case() -> None:
@@ -599,6 +637,9 @@ def test_bad_boundaries(shares: list[float], num: object) -> None:
         {"tie_tolerance": -1e-3},
         {"tie_tolerance": 0.5},
         {"tie_tolerance": math.nan},
+        {"binding_margin": -0.1},
+        {"binding_margin": 1.0},
+        {"binding_margin": True},
         {"max_cached_sizes": 0},
         {"max_cached_sizes": 2.0},
     ],
@@ -642,10 +683,10 @@ def test_the_latency_term_follows_its_formula() -> None:
     assert latency_s(0.0, 1e9, V) == 0.0
     # 50 Mbit/s over 40 ms holds 250 kB: a round trip and the slow-start ramp, per phase.
     window = 0.04 * 6.25e6
-    ramp = 0.04 * math.log2(window / INITIAL_WINDOW_BYTES) - 2 * window / 6.25e6
+    ramp = 0.04 * math.log2(window / INITIAL_WINDOW_BYTES) - window / 6.25e6
     assert latency_s(0.04, 6.25e6, V) == pytest.approx(2 * (0.04 + ramp))
     # A vector smaller than the path's capacity fills only its own size.
-    small = 0.04 * math.log2(100_000 / INITIAL_WINDOW_BYTES) - 2 * 100_000 / 6.25e6
+    small = 0.04 * math.log2(100_000 / INITIAL_WINDOW_BYTES) - 100_000 / 6.25e6
     assert latency_s(0.04, 6.25e6, 100_000) == pytest.approx(2 * (0.04 + small))
     assert latency_s(0.04, 6.25e6, 1000) == pytest.approx(2 * 0.04)  # below one window
     assert latency_s(0.001, 6.25e6, V) == pytest.approx(0.002)  # a LAN: the ramp costs nothing

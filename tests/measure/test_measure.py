@@ -13,10 +13,11 @@ from conftest import NodeFactory
 
 from p2ptrain.allreduce import AllReduceService
 from p2ptrain.allreduce.protocol import ResultHeader, TimingAck, parse_result, parse_timing
-from p2ptrain.errors import ConfigError, RemoteProtocolError
+from p2ptrain.errors import ConfigError, InvalidArgumentError, RemoteProtocolError
 from p2ptrain.measure import ArrivalTimer, EstimatorConfig, LinkEstimator, StreamTiming
 from p2ptrain.measure.estimates import combined_rate
 from p2ptrain.measure.latency import known_rtts, measure_rtts
+from p2ptrain.measure.probe import MAX_PROBE_SECONDS, PROBE_METHOD, probe_peers, serve_probes
 
 MB = 1 << 20
 
@@ -185,3 +186,52 @@ async def test_pings_leave_the_smallest_round_trip_on_the_connection(
     assert set(rtts) == {b.peer_id} and 0 < rtts[b.peer_id] < 1.0
     assert known_rtts(a) == rtts
     assert known_rtts(b) == {}  # b never pinged
+
+
+async def test_a_timed_probe_runs_every_stream_for_the_same_time(make_node: NodeFactory) -> None:
+    prober = await make_node()
+    targets = [await make_node() for _ in range(3)]
+    for node in targets:
+        serve_probes(node)
+    gone = await make_node()
+    unreachable = gone.address
+    await gone.aclose()
+    seconds = 0.3
+    results = await probe_peers(
+        prober, [t.address for t in [*targets]] + [unreachable], seconds=seconds
+    )
+    assert len(results) == 3  # the unreachable one is left out
+    for result in results:
+        for timing in (result.upload, result.download):
+            # Sent for 0.3 s and timed where it arrived: a span of about that
+            # (from the first header, so a little less), many messages' bytes.
+            assert timing.nbytes >= 4 * (64 << 10)
+            assert seconds * 0.5 < timing.seconds < seconds * 3
+    links = LinkEstimator(EstimatorConfig(min_bytes=0))
+    links.observe_probe([r.upload for r in results], [r.download for r in results])
+    up, down = links.upload_bytes_per_s, links.download_bytes_per_s
+    assert up is not None and down is not None and up > 1e6 and down > 1e6  # loopback
+
+
+async def test_a_timed_probe_server_refuses_bad_requests(make_node: NodeFactory) -> None:
+    prober, server = await make_node(), await make_node()
+    serve_probes(server)
+    for request in ({"d": MAX_PROBE_SECONDS * 2}, {"d": True}, {"d": 0}):
+        stream = await prober.open_stream(server.address, PROBE_METHOD, timeout=10)
+        await stream.send(request)
+        with pytest.raises(InvalidArgumentError):
+            await stream.recv()
+        await stream.aclose()
+    # Sending before being asked: the server expects {"down": true} after the upload.
+    stream = await prober.open_stream(server.address, PROBE_METHOD, timeout=10)
+    await stream.send({"d": 0.1})
+    await stream.recv()
+    await stream.send({"end": True})
+    await stream.recv()  # the upload's timing: nothing arrived
+    await stream.send({"up": True})
+    with pytest.raises(InvalidArgumentError):
+        await stream.recv()
+    await stream.aclose()
+    with pytest.raises(ConfigError):
+        await probe_peers(prober, [server.address], seconds=0)
+    assert await probe_peers(prober, [], seconds=0.1) == []

@@ -35,7 +35,7 @@ def test_the_loop_thread_uses_the_creators_torch_thread_count() -> None:
     wanted = 1 if before > 1 else 2
     torch.set_num_threads(wanted)
     try:
-        with Peer(PeerConfig(nat=None, probe_bytes=None)) as peer:
+        with Peer(PeerConfig(nat=None, probe_seconds=None)) as peer:
 
             async def threads() -> int:
                 return torch.get_num_threads()
@@ -74,11 +74,11 @@ def test_a_peer_runs_coroutines_on_its_loop_and_closes_cleanly(tmp_path: Path) -
 
 
 def test_a_new_peer_probes_its_links_against_an_initial_peer() -> None:
-    with Peer(PeerConfig(probe_bytes=None)) as first:
+    with Peer(PeerConfig(probe_seconds=None)) as first:
         config = PeerConfig(
             dht=DHTNodeConfig(initial_peers=(first.address,)),
             throughput=ThroughputConfig(upload_bytes_per_s=1e6),  # explicit: never probed
-            probe_bytes=16 << 20,
+            probe_seconds=0.3,
         )
         with Peer(config) as second:
             second.run(second.probed(), timeout=20)
@@ -86,14 +86,14 @@ def test_a_new_peer_probes_its_links_against_an_initial_peer() -> None:
             # loopback moves far more than the 12.5 MB/s guessed before any measurement
             assert second.capacity().download_bytes_per_s > 50e6
             assert second.capacity().upload_bytes_per_s == 1e6
-        assert first.throughput.download_bytes_per_s is None  # probe_bytes=None: it never probed
+        assert first.throughput.download_bytes_per_s is None  # probe_seconds=None: it never probed
 
 
 def test_a_tracker_that_closes_tells_the_others_it_left() -> None:
     """A clean exit is seen at the next read, not when the record expires (20 s)."""
     config = ProgressConfig()
-    with Peer(PeerConfig(probe_bytes=None)) as first:
-        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_bytes=None)
+    with Peer(PeerConfig(probe_seconds=None)) as first:
+        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_seconds=None)
         with Peer(joined) as second:
             trackers = [
                 ProgressTracker(
@@ -140,8 +140,8 @@ def test_a_step_waiting_for_its_group_ends_at_the_stop_time(policy: str, by_even
 
 
 def test_a_trainer_of_another_model_refuses_to_join_a_run() -> None:
-    with Peer(PeerConfig(probe_bytes=None)) as first:
-        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_bytes=None)
+    with Peer(PeerConfig(probe_seconds=None)) as first:
+        joined = PeerConfig(dht=DHTNodeConfig(initial_peers=(first.address,)), probe_seconds=None)
         with Peer(joined) as second:
             config = TrainerConfig(run_id="one-model", target_batch_size=8)
             narrow, wide = torch.nn.Linear(4, 1), torch.nn.Linear(4, 2)
@@ -192,8 +192,8 @@ def test_a_peer_that_cannot_bootstrap_fails_to_start() -> None:
         {"node": "x"},
         {"identity_path": 3},
         {"use_uvloop": "yes"},
-        {"probe_bytes": 0},
-        {"probe_bytes": 1 << 30},
+        {"probe_seconds": 0},
+        {"probe_seconds": 60.0},
     ],
 )
 def test_bad_peer_configs_are_refused(kwargs: dict[str, Any]) -> None:
