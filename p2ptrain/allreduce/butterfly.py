@@ -82,6 +82,12 @@ __all__ = ["ButterflyRound", "RoundObserver"]
 
 logger = logging.getLogger(__name__)
 
+ABSENT_CHECK_S = 2.0
+"""An owner that still waits for members that have not joined checks this
+often whether they are reachable, and stops waiting for those that are not
+(a member of the plan that died before its first stream reached this owner,
+e.g. one whose own part is empty, so that nobody dials it)."""
+
 
 class RoundObserver:
     """Callbacks at protocol events, for tracing and tests; each does nothing here.
@@ -155,6 +161,7 @@ class ButterflyRound:
         self._out_bytes = self.out.numpy().data.cast("B")
         self._hello = Hello(plan.round_id, plan.digest, weight, config.codec, config.block_size)
         start, stop = plan.part(index)
+        self.gather_only = gather_only
         self.reducer: ShardReducer | None = None
         if stop > start:
             self.reducer = ShardReducer(
@@ -162,7 +169,9 @@ class ButterflyRound:
                 local=flat[start:stop],
                 local_index=index,
                 local_weight=own_weight,
-                senders=range(plan.size),
+                # In an all-gather nobody sends parts: the part is done at once,
+                # and a member that never shows up is not waited for.
+                senders=() if gather_only else range(plan.size),
                 chunk_elements=plan.chunk_elements,
                 config=config,
             )
@@ -208,6 +217,11 @@ class ButterflyRound:
         self._acks_pending: set[int] = set()  # senders whose timing has not arrived
         self.bytes_sent = 0
         self.bytes_received = 0
+        # In an all-gather the part is done at once, but its owner still
+        # serves every other member: those that have not joined yet.
+        self._absent: set[int] = set()
+        if gather_only and self.reducer is not None:
+            self._absent = set(range(plan.size)) - {index}
         if self.reducer is not None and self.reducer.done:
             self._shard_done_at = self._start
 
@@ -221,6 +235,8 @@ class ButterflyRound:
                     tasks.create_task(self._exchange(j), name=f"allreduce-send:{j}")
                 if self.reducer is not None:
                     tasks.create_task(self._reduce_shard(), name="allreduce-reduce")
+                    if not self._part_served():
+                        tasks.create_task(self._watch_absent(), name="allreduce-absent")
         except TimeoutError:
             logger.warning("round %s: round_timeout passed", self.plan.round_id.hex()[:8])
         finally:
@@ -367,6 +383,11 @@ class ButterflyRound:
         telling: its connection dropped, or its stream failed before this
         member entered the round.
         """
+        if index in self._absent:
+            self._absent.discard(index)
+            self._failed.setdefault(index, reason)
+            self._notify()
+            return
         reducer = self.reducer
         if reducer is None or not reducer.is_sender(index) or reducer.joined(index):
             return
@@ -401,7 +422,12 @@ class ButterflyRound:
                 raise DeadlineExceededError("the reduce-scatter deadline has passed")
             if sender in self._serving or reducer.joined(sender):
                 raise InvalidArgumentError("a second stream from the same sender")
-            self._publish(reducer.join(sender, hello.weight))
+            if self.gather_only:
+                if hello.weight != 0:
+                    raise InvalidArgumentError("an all-gather takes no parts (weight must be 0)")
+                self._absent.discard(sender)
+            else:
+                self._publish(reducer.join(sender, hello.weight))
         except (RPCError, RemoteProtocolError) as exc:
             if isinstance(exc, RPCError):
                 code, message = exc.code, exc.message
@@ -513,13 +539,51 @@ class ButterflyRound:
             return
         try:
             async with asyncio.timeout_at(self._reduce_deadline):
-                await self._wait(lambda: reducer.done)
+                await self._wait(self._part_served)
         except TimeoutError:
+            self._absent.clear()
             self._publish(reducer.expire())
         # Every sender that can still want results has joined by now; its
         # timing of our results ends its stream.
         # A sender left out (stalled, failed) is not waited for.
         await self._wait(lambda: self._writers == 0 and not self._awaited_acks())
+
+    async def _watch_absent(self) -> None:
+        """Every ``ABSENT_CHECK_S`` until the part is reduced: drop unreachable absentees."""
+        reducer = self.reducer
+        if reducer is None:  # pragma: no cover - only started with a reducer
+            return
+        while not self._part_served():
+            try:
+                async with asyncio.timeout(ABSENT_CHECK_S):
+                    await self._wait(self._part_served)
+                return
+            except TimeoutError:
+                pass
+            absent = [
+                i
+                for i, member in enumerate(self.plan.members)
+                if member.address is not None
+                and (
+                    i in self._absent
+                    or (
+                        reducer.is_sender(i)
+                        and not reducer.joined(i)
+                        and reducer.exclusion(i) is None
+                    )
+                )
+            ]
+            await asyncio.gather(*(self._check_reachable(i) for i in absent))
+
+    def _part_served(self) -> bool:
+        """Every chunk of this member's part is reduced, and (all-gather) every member joined."""
+        return self.reducer is not None and self.reducer.done and not self._absent
+
+    async def _check_reachable(self, index: int) -> None:
+        try:
+            await self.node.connect(self.plan.members[index].dial_address)
+        except P2PTrainError as exc:
+            self.sender_failed(index, f"unreachable: {exc}")
 
     def _publish(self, finalized: list[ChunkResult]) -> None:
         if not finalized:

@@ -26,10 +26,15 @@ sharded, see docs/allreduce.md for why this and not Moshpit's grid):
 3. **Gather.** The group all-gathers the slices (each member's own part is the
    slices it covered) under a plan every member derives from the group's
    plan, so this phase needs no matchmaking. Each slice travels with one
-   more element, its **flag**: 1 when the member that covered it got the
-   column's complete average with the group's full weight, else 0. So a
-   member knows whether every slice it received is the global average, not
-   only the slices it covered itself.
+   more elements: its **flag** (1 when the member that covered it got the
+   column's average over the same groups in every chunk, else 0) and the
+   **mask** of those groups. So a member knows whether every slice it
+   received is an exact average, and whether all slices hold the same groups.
+
+A group enters the columns only when every chunk of its all-reduce averaged
+the same members: each member decides from the contributors the owners
+announced with their results, which are the same at every member, so the
+group's slices all carry the same members with the same weight, or none does.
 
 Each peer sends about ``2V`` (group) ``+ 2V/S`` (columns) ``+ V`` (gather),
 and talks to its group and one member of every other group. A column or a
@@ -45,7 +50,7 @@ import hashlib
 import itertools
 import logging
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -145,11 +150,13 @@ class GroupedResult:
         reports: The all-reduce reports: group, columns, gather.
         represented: The group members whose values this peer's slices
             carried into their columns with the group's weight (empty when
-            its weight was 0).
+            the group stayed out); every member that saw the whole group
+            report names the same.
         settled: For each slice this peer covered and settled (its column
-            complete, with the group's weight), the column's members: with
-            every member's ``represented``, who is in that slice's average
-            (the simulator measures each slice against it).
+            averaged every chunk over the same members), those members.
+        groups_in: When complete: the groups whose averages every slice of
+            the result holds (the slices' group masks agree). The result is
+            then the exact weighted average of those groups' ``represented``.
     """
 
     groups: int
@@ -162,6 +169,7 @@ class GroupedResult:
     reports: tuple[AllReduceReport, ...] = field(default=(), repr=False)
     represented: tuple[PeerID, ...] = ()
     settled: tuple[tuple[int, tuple[PeerID, ...]], ...] = ()
+    groups_in: tuple[int, ...] = ()
 
 
 class GroupedAverager:
@@ -269,56 +277,68 @@ class GroupedAverager:
             raise
         reports = [group_report]
         failures: list[str] = []
-        settled: dict[int, tuple[PeerID, ...]] = {}  # covered slice -> its column's members
-        contributors = _contributors_of(plan, group_report, n)
-        if group_report.complete and contributors and summed[n] > 0:
+        settled: dict[int, tuple[PeerID, ...]] = {}  # covered slice -> its column's contributors
+        # Whether the group's average enters the columns, decided by every
+        # member from the same information: the contributors each owner
+        # announced with each chunk's result (identical at every member that
+        # received it). The group is in only when every chunk of the vector,
+        # the weight's included, averaged the same members; otherwise every
+        # member that saw the whole report joins its columns with weight 0.
+        # A member that missed a result cannot tell and stays out too; should
+        # its group mates be in, the slices' group masks (in the gather) show
+        # the mismatch to every peer, whose result is then incomplete.
+        contributors = _common_contributors(group_report)
+        if contributors and summed[n] > 0:
             total = float(summed[n]) * len(contributors)
             average = summed[:n] / summed[n]
-            counted = _counted(plan, group_report)
+            counted = tuple(plan.members[i].peer_id for i in contributors)
         else:  # take part in the columns without weight: receive the others' average
-            failures.append("group: incomplete")
+            failures.append("group: not every part averaged the same members")
             total, average, counted = 0.0, vector.clone(), ()
-        # 2b. one all-reduce per covered slice, weighted by the group's weight,
-        # but only where this slice's average holds exactly the members the
-        # weight counts: after a partial group round, members see different
-        # parts averaged, and a slice paired with the wrong weight would
-        # corrupt the column's result for every group.
+        # 2b. one all-reduce per covered slice, weighted by the group's weight.
         for s, task in columns.items():
             lo, hi = bounds[s], bounds[s + 1]
-            slice_weight = total
-            if total > 0 and _slice_contributors(plan, group_report, lo, hi) != contributors:
-                slice_weight = 0.0
-                failures.append(f"column {s}: the group's average of the slice is partial")
             try:
                 column_plan = await task
                 values, report = await self.service.allreduce(
-                    column_plan, average[lo:hi].contiguous(), slice_weight, config=config
+                    column_plan, average[lo:hi].contiguous(), total, config=config
                 )
             except P2PTrainError as exc:
                 logger.info("column %d of %s failed: %s", s, key, exc)
                 failures.append(f"column {s}: {exc}")
                 continue
             reports.append(report)
-            if not report.complete:
+            column = _common_contributors(report)
+            if column is None:
                 failures.append(f"column {s}: incomplete")
-            elif slice_weight > 0:
-                settled[s] = tuple(m.peer_id for m in column_plan.members)
+            elif column:  # every group's weight 0: the slice holds nobody's values
+                settled[s] = tuple(column_plan.members[i].peer_id for i in column)
             average[lo:hi] = values
-        # 3. the gather: each member's part is the slices it covered, each with its flag.
-        gather = _gather_plan(plan, edges, bounds)
-        flagged = _with_flags(average, bounds, settled)
+        # 3. the gather: each member's part is the slices it covered, each with
+        # its flag and the mask of the groups its column holds.
+        tail = 1 + _mask_floats(groups)
+        gather = _gather_plan(plan, edges, bounds, tail)
+        masks = {s: group_mask(members, groups) for s, members in settled.items()}
+        flagged = _with_tails(average, bounds, masks, tail)
         gathered, gather_report = await self.service.allreduce(
             gather, flagged, 1.0, config=config, gather_only=True
         )
         reports.append(gather_report)
         if not gather_report.complete:
             failures.append("gather: incomplete")
-        out, flags = _without_flags(gathered, bounds)
+        out, tails = _without_tails(gathered, bounds, tail)
         failures += [
             f"column {s}: not settled by the member that covered it"
             for s in range(slices)
-            if s not in mine and flags[s] != 1.0 and gather_report.complete
+            if s not in mine and tails[s][0] != 1.0 and gather_report.complete
         ]
+        groups_in: tuple[int, ...] = ()
+        if not failures:
+            found = {tuple(t[1:]) for t in tails}
+            if len(found) == 1:
+                groups_in = _groups_of(list(found.pop()))
+            else:
+                failures.append("gather: the slices hold different sets of groups")
         return out, GroupedResult(
             groups=groups,
             group=plan,
@@ -328,8 +348,9 @@ class GroupedAverager:
             failures=tuple(failures),
             bytes_sent=sum(r.bytes_sent for r in reports),
             reports=tuple(reports),
-            represented=tuple(plan.members[i].peer_id for i in contributors) if total else (),
+            represented=counted,
             settled=tuple(sorted(settled.items())),
+            groups_in=groups_in,
         )
 
     async def _column_plan(self, key: str, index: int, num_elements: int) -> GroupPlan:
@@ -362,72 +383,92 @@ def slice_edges(plan: GroupPlan, slices: int) -> list[int]:
     return shares_to_boundaries([size / total for size in sizes], slices)
 
 
-def _gather_plan(plan: GroupPlan, edges: Sequence[int], bounds: Sequence[int]) -> GroupPlan:
+_MASK_BITS = 23
+"""Group bits per float of a slice's group mask (integers below 2**24 are exact in float32)."""
+
+
+def _mask_floats(groups: int) -> int:
+    return -(-groups // _MASK_BITS)
+
+
+def group_mask(members: Sequence[PeerID], groups: int) -> list[float]:
+    """The groups of ``members`` as bits, ``_MASK_BITS`` per float (exact in float32)."""
+    words = [0] * _mask_floats(groups)
+    for peer in members:
+        g = group_index(peer, groups)
+        words[g // _MASK_BITS] |= 1 << (g % _MASK_BITS)
+    return [float(w) for w in words]
+
+
+def _groups_of(mask: Sequence[float]) -> tuple[int, ...]:
+    return tuple(
+        i * _MASK_BITS + b
+        for i, word in enumerate(mask)
+        for b in range(_MASK_BITS)
+        if int(word) >> b & 1
+    )
+
+
+def _gather_plan(
+    plan: GroupPlan, edges: Sequence[int], bounds: Sequence[int], tail: int
+) -> GroupPlan:
     """The all-gather plan of a group: the same members, each owning its slices.
 
-    The gathered vector holds every slice followed by its flag
-    (:func:`_with_flags`), so slice ``s`` starts at ``bounds[s] + s``.
+    The gathered vector holds every slice followed by its ``tail`` floats
+    (:func:`_with_tails`), so slice ``s`` starts at ``bounds[s] + s * tail``.
     """
     return dataclasses.replace(
         plan,
         round_id=hashlib.sha256(b"gather\0" + plan.round_id).digest()[:16],
-        boundaries=tuple(bounds[e] + e for e in edges),
+        boundaries=tuple(bounds[e] + e * tail for e in edges),
         predicted_time=None,
     )
 
 
-def _with_flags(
-    average: torch.Tensor, bounds: Sequence[int], settled: Collection[int]
+def _with_tails(
+    average: torch.Tensor, bounds: Sequence[int], masks: dict[int, list[float]], tail: int
 ) -> torch.Tensor:
-    """``average`` with a flag after each slice: 1.0 for the ``settled`` slices, else 0.0."""
+    """``average`` with ``tail`` floats after each slice: its flag (1.0: settled) and group mask.
+
+    Slices not in ``masks`` (not settled here) get zeros.
+    """
     slices = len(bounds) - 1
-    flagged = torch.zeros(average.numel() + slices, dtype=average.dtype)
+    flagged = torch.zeros(average.numel() + slices * tail, dtype=average.dtype)
     for s in range(slices):
         lo, hi = bounds[s], bounds[s + 1]
-        flagged[lo + s : hi + s] = average[lo:hi]
-        flagged[hi + s] = 1.0 if s in settled else 0.0
+        flagged[lo + s * tail : hi + s * tail] = average[lo:hi]
+        mask = masks.get(s)
+        if mask is not None:
+            at = hi + s * tail
+            flagged[at : at + tail] = torch.tensor([1.0, *mask], dtype=average.dtype)
     return flagged
 
 
-def _without_flags(
-    flagged: torch.Tensor, bounds: Sequence[int]
-) -> tuple[torch.Tensor, list[float]]:
-    """The inverse of :func:`_with_flags`: the vector and each slice's flag."""
+def _without_tails(
+    flagged: torch.Tensor, bounds: Sequence[int], tail: int
+) -> tuple[torch.Tensor, list[list[float]]]:
+    """The inverse of :func:`_with_tails`: the vector and each slice's tail."""
     slices = len(bounds) - 1
     out = torch.empty(bounds[-1], dtype=flagged.dtype)
-    flags = []
+    tails = []
     for s in range(slices):
         lo, hi = bounds[s], bounds[s + 1]
-        out[lo:hi] = flagged[lo + s : hi + s]
-        flags.append(float(flagged[hi + s]))
-    return out, flags
+        out[lo:hi] = flagged[lo + s * tail : hi + s * tail]
+        at = hi + s * tail
+        tails.append(flagged[at : at + tail].tolist())
+    return out, tails
 
 
-def _contributors_of(plan: GroupPlan, report: AllReduceReport, element: int) -> tuple[int, ...]:
-    """Members whose values are in the average of ``element``."""
-    for shard in report.shards:
-        if shard.start <= element < shard.stop:
-            found = shard.chunk_contributors[(element - shard.start) // plan.chunk_elements]
-            return found or ()
-    return ()
+def _common_contributors(report: AllReduceReport) -> tuple[int, ...] | None:
+    """The members in the average of every chunk of the vector, if the same for all.
 
-
-def _slice_contributors(
-    plan: GroupPlan, report: AllReduceReport, lo: int, hi: int
-) -> tuple[int, ...] | None:
-    """The members in the average of every element of ``[lo, hi)``, if the same for all.
-
-    ``None`` when some chunk there kept local values or chunks differ.
+    ``None`` when some chunk's result is missing or chunks differ; ``()``
+    when every chunk was averaged over nobody (every weight 0).
     """
     found: set[tuple[int, ...]] = set()
-    step = plan.chunk_elements
     for shard in report.shards:
-        if shard.stop <= lo or shard.start >= hi:
-            continue
-        first = (max(lo, shard.start) - shard.start) // step
-        last = (min(hi, shard.stop) - 1 - shard.start) // step
-        for chunk in shard.chunk_contributors[first : last + 1]:
-            if not chunk:
+        for chunk in shard.chunk_contributors:
+            if chunk is None:
                 return None
             found.add(chunk)
     return found.pop() if len(found) == 1 else None

@@ -195,7 +195,9 @@ class ShardReducer:
 
     def exclude(self, index: int, reason: str) -> list[ChunkResult]:
         """Stop waiting for sender ``index`` (its remaining chunks are left out)."""
-        sender = self._sender(index)
+        sender = self._senders.get(index)
+        if sender is None:  # not a sender of this shard (e.g. in an all-gather)
+            return []
         if sender.excluded is not None or sender.delivered == len(self.bounds):
             return []
         if sender.weight == 0:

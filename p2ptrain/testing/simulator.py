@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import hashlib
 import math
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,8 +43,7 @@ from p2ptrain.allreduce.grouped import (
     GroupedAverager,
     GroupedResult,
     GroupingConfig,
-    slice_bounds,
-    slice_edges,
+    group_index,
 )
 from p2ptrain.allreduce.matchmaking import Matchmaker, MatchmakingConfig
 from p2ptrain.allreduce.partition import PeerCapacity
@@ -78,6 +77,9 @@ class SimulationConfig:
         loss: Packet loss rate of every link.
         churn: Share of the live peers that leave abruptly during each step
             (while matchmaking); as many new peers join for the next one.
+        kill_window: When in a step (virtual seconds after its start, drawn
+            uniformly) the leaving peers die; ``None``: during the group's
+            matchmaking window. A later window kills members mid-round.
         max_weight: Weights (samples) are drawn uniformly from 1 to this.
         grouping: Group size and windows.
         matchmaking: Matchmaking timings (windows are set per phase by grouping).
@@ -91,6 +93,7 @@ class SimulationConfig:
     rtt_ms: tuple[float, float] = (20.0, 80.0)
     loss: float = 0.0
     churn: float = 0.0
+    kill_window: tuple[float, float] | None = None
     max_weight: int = 64
     grouping: GroupingConfig = field(default_factory=GroupingConfig)
     matchmaking: MatchmakingConfig = field(
@@ -113,6 +116,8 @@ class SimulationConfig:
             raise ConfigError("rtt_ms must be (low, high) with 0 <= low <= high")
         if not 0 <= self.churn < 1:
             raise ConfigError("churn must be in [0, 1)")
+        if self.kill_window is not None and not 0 <= self.kill_window[0] <= self.kill_window[1]:
+            raise ConfigError("kill_window must be (low, high) with 0 <= low <= high")
         if self.max_weight < 1:
             raise ConfigError("max_weight must be at least 1")
 
@@ -127,7 +132,7 @@ class SimPeer:
         self.link = link
         self.endpoint: SimEndpoint = net.add_host(host, link)
         self.node = Node(
-            identity=Identity.generate(),
+            identity=Identity.from_seed(hashlib.sha256(f"{config.seed}/{host}".encode()).digest()),
             config=NodeConfig(host=host, dial_timeout=5.0, max_connections=config.max_connections),
             network=self.endpoint,
         )
@@ -189,7 +194,8 @@ class StepResult:
             vectors are in the average.
         max_rel_error: Over the live peers whose averaging completed:
             max |result - exact| / max |exact|, where exact is the weighted
-            average (float64) of the counted contributions.
+            average (float64) of the contributions that result holds by the
+            peers' own accounts (inf where those are unknown).
         incomplete: Live peers whose averaging did not complete.
         bytes_per_peer: Mean bytes a live peer sent during the step (all
             traffic: handshakes, DHT, matchmaking, tensors).
@@ -315,8 +321,9 @@ class Simulation:
 
         tasks = {p.peer_id: loop.create_task(run(p)) for p in peers}
         window = cfg.grouping.group_window if len(peers) > cfg.grouping.group_size else 1.0
+        low, high = cfg.kill_window or (0.0, window)
         kills = [
-            loop.create_task(self._kill(v, self.rng.uniform(0, window), tasks[v.peer_id]))
+            loop.create_task(self._kill(v, self.rng.uniform(low, high), tasks[v.peer_id]))
             for v in victims
         ]
         joiners = [self._new_peer() for _ in victims]
@@ -361,23 +368,29 @@ class Simulation:
             else:
                 outcomes[p.peer_id] = result
                 failures += list(result[1].failures)
+        scale_of = self._reference(outcomes)
         counted: set[PeerID] = set()
-        for _, grouped in outcomes.values():
+        references: list[tuple[torch.Tensor, frozenset[PeerID] | None]] = []
+        for out, grouped in outcomes.values():
             if grouped.complete:
-                counted.update(grouped.group_counted)
+                members = scale_of(grouped)
+                references.append((out, members))
+                counted.update(members or ())
         live_ids = {p.peer_id for p in live}
         live_weight = sum(weights[i] for i in live_ids)
         counted_weight = sum(weights[i] for i in counted & live_ids)
-        exact = _weighted_average(counted, vectors, weights, self.config.vector_elements)
-        scale = float(exact.abs().max()) if counted else 1.0
-        slices = _SliceReference(outcomes, vectors, weights, self.config.grouping.group_size)
-        errors = [
-            slices.error(out, grouped, scale)
-            if grouped.groups > 1
-            else float((out.double() - exact).abs().max()) / scale
-            for out, grouped in outcomes.values()
-            if grouped.complete
-        ]
+        n = self.config.vector_elements
+        exact: dict[frozenset[PeerID], torch.Tensor] = {}
+        errors = []
+        for out, members in references:
+            if not members:
+                errors.append(math.inf)  # complete, but whose values it holds is unknown
+                continue
+            if members not in exact:
+                exact[members] = _weighted_average(members, vectors, weights, n)
+            reference = exact[members]
+            scale = float(reference.abs().max()) or 1.0
+            errors.append(float((out.double() - reference).abs().max()) / scale)
         incomplete = len(live) - len(errors)
         sent = [p.endpoint.bytes_sent - sent_before[p.peer_id] for p in live]
         records, value_bytes, max_entries, max_value = self._dht_usage(live)
@@ -402,6 +415,38 @@ class Simulation:
             cpu_s=cpu_s,
             failures=tuple(failures[:5]),
         )
+
+    @staticmethod
+    def _reference(
+        outcomes: dict[PeerID, tuple[torch.Tensor, GroupedResult]],
+    ) -> Callable[[GroupedResult], frozenset[PeerID] | None]:
+        """Whose values a complete result should average, from the survivors' accounts.
+
+        A single group: the contributors its report names. Groups: the union,
+        over the groups the result says it holds, of the members each group
+        carried into the columns, as the group's surviving members tell it;
+        ``None`` (unknown) when no survivor of such a group tells, or when
+        they disagree.
+        """
+        told: dict[tuple[int, int], set[tuple[PeerID, ...]]] = {}
+        for _, grouped in outcomes.values():
+            if grouped.groups > 1 and grouped.group_weight > 0:
+                me = grouped.group.members[grouped.reports[0].index].peer_id
+                group = (grouped.groups, group_index(me, grouped.groups))
+                told.setdefault(group, set()).add(grouped.represented)
+
+        def reference(grouped: GroupedResult) -> frozenset[PeerID] | None:
+            if grouped.groups == 1:
+                return frozenset(grouped.group_counted)
+            members: set[PeerID] = set()
+            for g in grouped.groups_in:
+                accounts = told.get((grouped.groups, g), set())
+                if len(accounts) != 1:
+                    return None
+                members.update(next(iter(accounts)))
+            return frozenset(members)
+
+        return reference
 
     def _dht_usage(self, live: list[SimPeer]) -> tuple[int, int, int, int]:
         loop = asyncio.get_running_loop()
@@ -434,60 +479,3 @@ def _weighted_average(
     for i in members:
         exact += vectors[i].double() * (weights[i] / total)
     return exact
-
-
-class _SliceReference:
-    """What each slice of a grouped result should hold, from every peer's account.
-
-    A complete peer's slice ``s`` came from the group mate that covered it,
-    whose column's members each carried their group's ``represented``
-    members with the group's weight: the exact reference of that slice is
-    the weighted average of those members' vectors. Columns may differ in
-    which groups they hold (a member that died before its column), so each
-    slice is measured against its own reference, not one for the vector.
-    """
-
-    def __init__(
-        self,
-        outcomes: dict[PeerID, tuple[torch.Tensor, GroupedResult]],
-        vectors: dict[PeerID, torch.Tensor],
-        weights: dict[PeerID, float],
-        slices: int,
-    ) -> None:
-        self._results = {peer: grouped for peer, (_, grouped) in outcomes.items()}
-        self._slices = slices
-        self._vectors = vectors
-        self._weights = weights
-
-    def error(self, out: torch.Tensor, grouped: GroupedResult, scale: float) -> float:
-        """max |slice - its reference| / ``scale`` over the slices of ``out`` (inf if unknown)."""
-        plan = grouped.group
-        bounds = slice_bounds(out.numel(), self._slices)
-        edges = slice_edges(plan, self._slices)
-        worst = 0.0
-        for member, (first, last) in enumerate(itertools.pairwise(edges)):
-            cover = self._results.get(plan.members[member].peer_id)
-            if cover is None:  # the member that covered these slices died after the gather
-                return math.inf
-            columns = dict(cover.settled)
-            for s in range(first, last):
-                contributors = self._contributors(columns.get(s), s)
-                if contributors is None:
-                    return math.inf
-                lo, hi = bounds[s], bounds[s + 1]
-                parts = {i: self._vectors[i][lo:hi] for i in contributors}
-                exact = _weighted_average(contributors, parts, self._weights, hi - lo)
-                worst = max(worst, float((out[lo:hi].double() - exact).abs().max()) / scale)
-        return worst
-
-    def _contributors(self, column: tuple[PeerID, ...] | None, index: int) -> set[PeerID] | None:
-        if column is None:
-            return None
-        members: set[PeerID] = set()
-        for rep in column:
-            result = self._results.get(rep)
-            if result is None:
-                return None  # a column member whose account is lost: unknown
-            if index in dict(result.settled):
-                members.update(result.represented)
-        return members

@@ -10,12 +10,14 @@ import torch
 from p2ptrain.allreduce.group import GroupMember, GroupPlan
 from p2ptrain.allreduce.grouped import (
     GroupingConfig,
+    _common_contributors,
     _gather_plan,
-    _slice_contributors,
-    _with_flags,
-    _without_flags,
+    _groups_of,
+    _with_tails,
+    _without_tails,
     group_count,
     group_index,
+    group_mask,
     slice_bounds,
     slice_edges,
 )
@@ -62,43 +64,59 @@ def test_the_gather_plan_gives_each_member_its_slices_under_a_new_round_id() -> 
     plan = _plan([0.5, 0.0, 0.25, 0.25])
     bounds = slice_bounds(plan.num_elements - 1, 8)
     edges = slice_edges(plan, 8)
-    gather = _gather_plan(plan, edges, bounds)
+    gather = _gather_plan(plan, edges, bounds, 2)
     assert gather.members == plan.members
     assert gather.round_id != plan.round_id
-    # every slice is followed by its flag: plan.num_elements - 1 values, 8 flags
-    assert gather.num_elements == plan.num_elements - 1 + 8
+    # every slice is followed by its flag and mask: plan.num_elements - 1 values, 8 tails of 2
+    assert gather.num_elements == plan.num_elements - 1 + 16
     assert [gather.part(i) for i in range(4)] == [
-        (bounds[edges[i]] + edges[i], bounds[edges[i + 1]] + edges[i + 1]) for i in range(4)
+        (bounds[edges[i]] + 2 * edges[i], bounds[edges[i + 1]] + 2 * edges[i + 1]) for i in range(4)
     ]
-    assert gather.digest == _gather_plan(plan, edges, bounds).digest  # every member agrees
+    assert gather.digest == _gather_plan(plan, edges, bounds, 2).digest  # every member agrees
 
 
-def test_slice_flags_travel_after_their_slices_and_come_back_out() -> None:
+def test_slice_flags_and_group_masks_travel_after_their_slices_and_come_back_out() -> None:
     bounds = slice_bounds(10, 4)  # [0, 2, 5, 7, 10]
     average = torch.arange(10, dtype=torch.float32)
-    flagged = _with_flags(average, bounds, settled={0, 2})
-    assert flagged.tolist() == [0, 1, 1, 2, 3, 4, 0, 5, 6, 1, 7, 8, 9, 0]
-    out, flags = _without_flags(flagged, bounds)
+    flagged = _with_tails(average, bounds, {0: [5.0], 2: [6.0]}, 2)
+    assert flagged.tolist() == [0, 1, 1, 5, 2, 3, 4, 0, 0, 5, 6, 1, 6, 7, 8, 9, 0, 0]
+    out, tails = _without_tails(flagged, bounds, 2)
     assert torch.equal(out, average)
-    assert flags == [1.0, 0.0, 1.0, 0.0]
+    assert tails == [[1.0, 5.0], [0.0, 0.0], [1.0, 6.0], [0.0, 0.0]]
 
 
-def test_a_slice_joins_its_column_only_if_one_set_of_members_averaged_all_of_it() -> None:
-    """After a partial group round a slice may mix averaged and local values, or
-    averages over different members: it must not join a column with the group's weight."""
+def test_group_masks_are_exact_in_float32_for_many_groups() -> None:
+    peers = [Identity.generate().peer_id for _ in range(200)]
+    groups = 50
+    mask = group_mask(peers, groups)
+    assert len(mask) == 3  # 23 groups per float
+    # float32 keeps every bit (integers below 2**24)
+    assert torch.tensor(mask, dtype=torch.float32).tolist() == mask
+    assert _groups_of(mask) == tuple(sorted({group_index(p, groups) for p in peers}))
+
+
+def test_a_group_enters_its_columns_only_if_every_chunk_averaged_the_same_members() -> None:
+    """After a partial group round chunks hold averages over different members,
+    or local values: the group must not join the columns with its weight. The
+    contributors come with each owner's results, so every member that received
+    them decides alike."""
     plan = dataclasses.replace(_plan([0.5, 0.5], num_elements=8), chunk_elements=2)
-    shards = (
-        ShardReport(0, 0, 4, ((0, 1), (0, 1)), {}, None),
-        ShardReport(1, 4, 8, ((0,), None), {}, None),  # reducer 1 lost member 1, then failed
+
+    def report(*shards: ShardReport) -> AllReduceReport:
+        members = tuple(m.peer_id for m in plan.members)
+        return AllReduceReport(b"r", members, 0, 1.0, shards, {}, 0, 0, 0, 0, 0, 0, 0, None)
+
+    whole = ShardReport(0, 0, 4, ((0, 1), (0, 1)), {}, None)
+    assert _common_contributors(report(whole, ShardReport(1, 4, 8, ((0, 1),) * 2, {}, None))) == (
+        0,
+        1,
     )
-    report = AllReduceReport(
-        b"r", tuple(m.peer_id for m in plan.members), 0, 1.0, shards, {}, 0, 0, 0, 0, 0, 0, 0, None
+    # reducer 1 lost member 1: (0, 1) here, (0,) there
+    assert _common_contributors(report(whole, ShardReport(1, 4, 8, ((0,),) * 2, {}, None))) is None
+    # a chunk kept local values
+    assert (
+        _common_contributors(report(whole, ShardReport(1, 4, 8, ((0, 1), None), {}, None))) is None
     )
-    assert _slice_contributors(plan, report, 0, 4) == (0, 1)
-    assert _slice_contributors(plan, report, 1, 3) == (0, 1)
-    assert _slice_contributors(plan, report, 2, 5) is None  # (0, 1) and (0,)
-    assert _slice_contributors(plan, report, 4, 6) == (0,)
-    assert _slice_contributors(plan, report, 5, 8) is None  # a chunk kept local values
 
 
 def test_grouping_config_rejects_bad_values() -> None:

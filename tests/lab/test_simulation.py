@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import textwrap
 import time
@@ -242,3 +243,28 @@ def test_simulation_config_rejects_bad_values() -> None:
         SimulationConfig(churn=1.0)
     with pytest.raises(P2PTrainError):
         LinkProfile(0.0, 1.0)
+
+
+@pytest.mark.slow
+def test_members_killed_mid_round_leave_exact_results_or_honest_failures() -> None:
+    # 24 peers in 3 groups of 8; 2 die 1.5-3.5 virtual seconds into the step,
+    # while their groups all-reduce, matchmake their columns or gather.
+    async def main() -> object:
+        config = _small(24, churn=0.1, seed=3)
+        config = dataclasses.replace(
+            config,
+            kill_window=(1.5, 3.5),
+            grouping=GroupingConfig(group_size=8, group_window=1.0, column_window=6.0),
+        )
+        async with Simulation(config) as sim:
+            return await sim.step()
+
+    result = run_virtual(main())
+    assert result.killed == 2  # type: ignore[attr-defined]
+    # Nobody waits for the dead until a deadline (reduce_timeout is 30 s).
+    assert result.step_s < 15.0  # type: ignore[attr-defined]
+    # Every result that says it is complete is the exact weighted average of
+    # the contributions it holds by the peers' own accounts.
+    assert result.incomplete < result.live  # type: ignore[attr-defined]
+    assert result.max_rel_error < 1e-6, result.failures  # type: ignore[attr-defined]
+    assert result.counted_fraction >= 0.6  # type: ignore[attr-defined]
