@@ -60,10 +60,7 @@ class HostStaging:
             event.record(torch.cuda.current_stream(vector.device))
             event.synchronize()  # only this copy, not the whole device
         else:
-            module = getattr(torch, vector.device.type, None)
-            synchronize = getattr(module, "synchronize", None)
-            if callable(synchronize):
-                synchronize()
+            _synchronize(vector.device.type)
         return host
 
     def settle(self) -> None:
@@ -71,10 +68,15 @@ class HostStaging:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         elif self.device.type != "cpu":
-            synchronize = getattr(getattr(torch, self.device.type, None), "synchronize", None)
-            if callable(synchronize):
-                synchronize()
+            _synchronize(self.device.type)
 
     def to_device(self, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``value`` (host memory) as a tensor on ``like``'s device with its dtype."""
         return value.to(device=like.device, dtype=like.dtype, non_blocking=True)
+
+
+def _synchronize(device_type: str) -> None:
+    """Wait for everything queued on a device type other than CUDA (e.g. ``mps``), if torch can."""
+    synchronize = getattr(getattr(torch, device_type, None), "synchronize", None)
+    if callable(synchronize):
+        synchronize()
