@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 from p2ptrain.errors import ConfigError, P2PTrainError, RemoteProtocolError
 from p2ptrain.measure.estimates import ArrivalTimer, StreamTiming
@@ -246,12 +246,7 @@ async def probe_throughput(
         download_s = clock.seconds()
     body: Any = reply.body
     upload_s = body.get("s") if isinstance(body, dict) else None
-    if (
-        isinstance(upload_s, bool)
-        or not isinstance(upload_s, int | float)
-        or not math.isfinite(upload_s)
-        or upload_s < 0
-    ):
+    if not _is_duration(upload_s):
         raise RemoteProtocolError("a probe reply needs the upload time")
     if len(memoryview(reply.payload)) != nbytes:
         raise RemoteProtocolError(f"expected {nbytes} probe bytes back")
@@ -266,14 +261,19 @@ def _timing_reply(body: object) -> StreamTiming:
     nbytes, seconds = body.get("b"), body.get("s")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise RemoteProtocolError("a timed probe reply needs the bytes received")
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, int | float)
-        or not math.isfinite(seconds)
-        or seconds < 0
-    ):
+    if not _is_duration(seconds):
         raise RemoteProtocolError("a timed probe reply needs the seconds they took")
     return StreamTiming(nbytes, float(seconds))
+
+
+def _is_duration(value: object) -> TypeGuard[int | float]:
+    """A finite number of seconds >= 0, as a reply states one (not a bool)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and value >= 0
+    )
 
 
 async def probe_peers(
