@@ -285,6 +285,7 @@ def run_equivalence_peer(job: dict[str, Any]) -> dict[str, Any]:
         )
         shard, shards, batch = job["shard"], job["peers"], job["batch"]
         steps: list[list[Any]] = []
+        timeline: list[list[Any]] = []  # per step: step, entered, returned, mm s, allreduce s
         local = 0
         started = time.perf_counter()
         with CollaborativeOptimizer(task.optimizer, peer=peer, config=cfg) as trainer:
@@ -294,11 +295,23 @@ def run_equivalence_peer(job: dict[str, Any]) -> dict[str, Any]:
                 value = task.loss(task.batch(local, batch, shard=shard, num_shards=shards))
                 value.backward()  # type: ignore[no-untyped-call]
                 local += 1
+                entered = time.time()
+                before = trainer.stats
                 trainer.step(batch)
                 record = trainer.last_step
                 if record is not None and record is not last:
                     last = record
                     steps.append([record.step, record.own, record.samples, trainer.local_samples])
+                    after = trainer.stats
+                    timeline.append(
+                        [
+                            record.step,
+                            entered,
+                            time.time(),
+                            after.matchmaking_s - before.matchmaking_s,
+                            after.allreduce_s - before.allreduce_s,
+                        ]
+                    )
                     if keep:
                         kept.append([p.detach().clone() for p in params])
             wall = time.perf_counter() - started
@@ -322,12 +335,25 @@ def run_equivalence_peer(job: dict[str, Any]) -> dict[str, Any]:
             "local_rounds": stats.local_rounds,
             "waiting_s": stats.waiting_s,
             "averaging_s": stats.averaging_s,
+            "matchmaking_s": stats.matchmaking_s,
+            "allreduce_s": stats.allreduce_s,
+            "timeline": timeline,
             "losses": losses,
         }
 
 
 def worker_main(job: dict[str, Any]) -> None:
-    """Entry point of a child process."""
+    """Entry point of a child process.
+
+    ``P2PTRAIN_BENCH_DEBUG=name,name`` logs those loggers at DEBUG to stderr,
+    with times, e.g. ``p2ptrain.train,p2ptrain.allreduce.matchmaking``."""
+    debug = os.environ.get("P2PTRAIN_BENCH_DEBUG")
+    if debug:
+        import logging
+
+        logging.basicConfig(format=f"%(created).3f {job.get('shard', '-')} %(name)s %(message)s")
+        for name in debug.split(","):
+            logging.getLogger(name).setLevel(logging.DEBUG)
     runners = {
         "single": run_single,
         "eqsingle": run_equivalence_single,

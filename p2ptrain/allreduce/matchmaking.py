@@ -27,6 +27,7 @@ Theory of operation
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -237,6 +238,7 @@ class Matchmaker:
         bytes_per_element: int = 4,
         target_batch_size: int = 1,
         expected: int | None = None,
+        due: asyncio.Event | None = None,
     ) -> GroupPlan:
         """Join the group for ``key`` and return its plan.
 
@@ -246,6 +248,12 @@ class Matchmaker:
                 announced by then, up to ``target_group_size``: an expectation
                 from a stale view must not leave out a live peer that already
                 announced.
+            due: For matchmaking started ahead of a step: set when this
+                peer's step is due. Until then gathering waits for the
+                expected peers without a deadline; the window counts from
+                the moment it is set. (Counted from an early start, the
+                window could close before the last peer finished its batch,
+                and the group formed without it.)
 
         Raises:
             MatchmakingError: no group formed (too few live peers, or no plan arrived).
@@ -257,7 +265,7 @@ class Matchmaker:
         self._waiting[key] = waiter
         try:
             await self._announce(key)
-            candidates = await self._gather(key, expected)
+            candidates = await self._gather(key, expected, due)
             if not self.client_mode and not waiter.done():  # no plan arrived yet
                 leader = await self._elect(key, candidates)
                 if leader is None:
@@ -295,12 +303,20 @@ class Matchmaker:
         unique = {c.peer_id: c for c in found if c is not None}
         return sorted(unique.values(), key=lambda c: c.peer_id)
 
-    async def _gather(self, key: str, expected: int | None = None) -> list[_Candidate]:
+    async def _gather(
+        self, key: str, expected: int | None = None, due: asyncio.Event | None = None
+    ) -> list[_Candidate]:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.window
         enough = self.config.target_group_size
         if expected is not None:
             enough = max(1, min(expected, enough))
+        while due is not None and not due.is_set():
+            candidates = await self._read(key)
+            if len(candidates) >= enough:
+                return candidates[: self.config.target_group_size]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(due.wait(), self.config.poll_interval)
+        deadline = loop.time() + self.config.window
         others_expected = expected is not None and enough > 1
         lone_deadline = deadline + (self.config.lone_wait if others_expected else 0.0)
         while True:

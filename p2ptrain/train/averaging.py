@@ -129,6 +129,16 @@ def group_weight(outcome: RoundOutcome, *, length: int, marker: float) -> int | 
     return round(len(contributors) / marker)
 
 
+@dataclass
+class _Early:
+    """Matchmaking begun ahead of a step (:meth:`SwarmAverager.prepare`)."""
+
+    step: int
+    task: asyncio.Task[GroupPlan]
+    started: float
+    due: asyncio.Event
+
+
 class SwarmAverager:
     """Averages a flat vector with the swarm at each step; one per trainer.
 
@@ -154,7 +164,7 @@ class SwarmAverager:
         self.allreduce_config = allreduce
         self._matchmaker: Matchmaker = peer.matchmaker
         self._base: MatchmakingConfig = self._matchmaker.config
-        self._pending: tuple[int, asyncio.Task[GroupPlan], float] | None = None
+        self._pending: _Early | None = None
         self._last_members: tuple[PeerID, ...] = ()
         self.grouping = grouping or GroupingConfig()
         self._grouped = GroupedAverager(
@@ -181,13 +191,14 @@ class SwarmAverager:
         if group_size <= 1 or group_size > self.grouping.group_size:
             return
         pending = self._pending
-        if pending is not None and pending[0] == step:
+        if pending is not None and pending.step == step:
             return
         await self._cancel_pending()
+        due = asyncio.Event()
         task = asyncio.get_running_loop().create_task(
-            self._form_group(step, num_elements, group_size), name=f"matchmaking:{step}"
+            self._form_group(step, num_elements, group_size, due=due), name=f"matchmaking:{step}"
         )
-        self._pending = (step, task, time.perf_counter())
+        self._pending = _Early(step, task, time.perf_counter(), due)
 
     async def average(
         self, step: int, vector: torch.Tensor, weight: float, *, group_size: int
@@ -214,16 +225,17 @@ class SwarmAverager:
         plan: GroupPlan | None = None
         error: str | None = None
         pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == step:
-            started = min(started, pending[2])
+        if pending is not None and pending.step == step:
+            started = min(started, pending.started)
+            pending.due.set()
             try:
-                plan = await pending[1]
+                plan = await pending.task
             except P2PTrainError as exc:
                 logger.info("early matchmaking for step %d failed (%s); trying again", step, exc)
         elif pending is not None:
-            pending[1].cancel()
+            pending.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, P2PTrainError):
-                await pending[1]
+                await pending.task
         if plan is None:
             try:
                 plan = await self._form_group(step, vector.numel(), group_size)
@@ -320,11 +332,15 @@ class SwarmAverager:
     async def _cancel_pending(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending[1].cancel()
+            pending.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, P2PTrainError):
-                await pending[1]
+                await pending.task
 
-    async def _form_group(self, step: int, num_elements: int, group_size: int) -> GroupPlan:
+    async def _form_group(
+        self, step: int, num_elements: int, group_size: int, *, due: asyncio.Event | None = None
+    ) -> GroupPlan:
+        """Form the group of ``step``; ``due`` (early matchmaking) is set when the
+        step is due, and the time limit counts from then."""
         base = self._base
         size = max(base.min_group_size, min(base.target_group_size, group_size))
         # The expected size ends gathering early; every peer that announced by
@@ -334,13 +350,21 @@ class SwarmAverager:
         logger.debug("%s: matchmaking for step %d, group of %d", self.peer.peer_id, step, size)
         limit = base.window + base.lone_wait + 2 * base.ready_timeout + base.plan_timeout
         key = step_key(self.run_id, step)
+        loop = asyncio.get_running_loop()
+        watch: asyncio.Task[bool] | None = None
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout(None if due is not None else limit) as timeout:
+                if due is not None:
+                    watch = loop.create_task(due.wait())
+                    watch.add_done_callback(lambda _: timeout.reschedule(loop.time() + limit))
                 plan = await self._matchmaker.form_group(
-                    key, num_elements=num_elements, target_batch_size=1, expected=size
+                    key, num_elements=num_elements, target_batch_size=1, expected=size, due=due
                 )
         except TimeoutError:
             raise MatchmakingError(f"no group for step {step} within {limit:.1f} s") from None
+        finally:
+            if watch is not None:
+                watch.cancel()
         # INFO when the group changes; the same members again are routine.
         members = tuple(m.peer_id for m in plan.members)
         level = logging.DEBUG if members == self._last_members else logging.INFO

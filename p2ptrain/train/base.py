@@ -505,7 +505,7 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         collab = self._collaboration
         step = self._step
         self._outcome = outcome
-        if outcome.fallback is not None and collab.moved_past(step):
+        if outcome.fallback is not None and collab.moved_past(step, wait=True):
             logger.info(  # normal for a late joiner or a slow peer: not a warning
                 "step %d finished without this peer; downloading the swarm's state", step
             )

@@ -705,12 +705,33 @@ class Collaboration:
             f"{samples - estimate} samples behind (stale records or a changed rate)"
         )
 
-    def moved_past(self, step: int) -> bool:
-        """Whether some peer already finished ``step`` (reads the swarm's records now)."""
+    def moved_past(self, step: int, *, wait: bool = False) -> bool:
+        """Whether some peer already finished ``step`` (reads the swarm's records now).
+
+        Args:
+            wait: While other peers are at ``step``, read again until one
+                finishes it, for up to a matchmaking window plus three times
+                this peer's average all-reduce (at least 2 s). A peer that
+                found no group while the others formed one asks this: they
+                finish the step a round later, and a single read made such a
+                peer apply its own gradient alone and leave the swarm's
+                parameters.
+        """
         if self._tracker.view().peers_online <= 1:
             return False
-        view = self.peer.run(self._tracker.refresh(), timeout=_RUN_MARGIN)
-        return view.global_step > step
+        rounds = self._stats.rounds
+        average_round = self._stats.allreduce_s / rounds if rounds else 0.0
+        window = self.peer.matchmaker.config.window
+        deadline = time.monotonic() + (window + max(2.0, 3 * average_round) if wait else 0.0)
+        while True:
+            view = self.peer.run(self._tracker.refresh(), timeout=_RUN_MARGIN)
+            if view.global_step > step:
+                return True
+            others = view.expected_in_group(step, exclude=self.peer.peer_id)
+            left = deadline - time.monotonic()
+            if others == 0 or left <= 0 or self.stopping:
+                return False
+            time.sleep(min(left, self.progress_config.min_fetch_interval))
 
     # -- state sync --------------------------------------------------------------------
 

@@ -272,11 +272,36 @@ class CollaborativeOptimizer(SwarmTrainer):
             return False
         if feedback is not None:
             feedback.compensate(vector[:-1])  # not the count marker
+        step = self._step
         averaged = self._average(vector, float(samples))
         if averaged is None:  # the swarm's state was downloaded instead
+            self._keep_missed(vector, samples, step)
             return True
         self._apply(vector, averaged, samples)
         return True
+
+    def _keep_missed(self, vector: torch.Tensor, samples: int, step: int) -> None:
+        """Count the samples of a step this peer missed toward the next one.
+
+        The swarm finished ``step`` without this peer (no group), and the
+        downloaded state is the one after it. The missed gradient, one step
+        stale like a carried batch, counts toward the step now due instead
+        of being lost. Further behind, it is dropped.
+        """
+        if self._step != step + 1 or samples <= 0:
+            return
+        with torch.no_grad():
+            self._accumulator.copy_(vector)
+            self._accumulator.mul_(samples)
+            self._accumulator[-1] = 0.0
+        self._samples = samples
+        self._collaboration.report(step=self._step, samples=samples, blocked=self._blocked)
+        logger.info(
+            "step %d went on without this peer; its %d samples count toward step %d",
+            step,
+            samples,
+            self._step,
+        )
 
     def _predict(self, vector: torch.Tensor) -> None:
         """Install the parameters this peer's own gradient predicts (see

@@ -259,3 +259,43 @@ async def test_a_peer_alone_at_the_end_of_its_window_waits_for_expected_peers() 
     finally:
         for peer in (first, second):
             await peer.aclose()
+
+
+async def test_an_early_group_waits_for_the_last_peer_until_its_step_is_due(
+    swarm: list[Peer],
+) -> None:
+    """Matchmaking begun ahead of a step keeps gathering past its window until
+    the step is due: two peers that started early still take the third, whose
+    batch ended after their window. Without ``due`` (the control) the two
+    form a group alone once the window has passed."""
+    early, late_peer = swarm[:2], swarm[2]
+
+    async def late(key: str) -> GroupPlan:
+        await asyncio.sleep(FAST.window * 2)  # after the early peers' window
+        return await late_peer.matchmaker.form_group(key, num_elements=64, expected=3)
+
+    due = [asyncio.Event() for _ in early]
+
+    async def step_due() -> None:
+        await asyncio.sleep(FAST.window * 1.5)
+        for event in due:
+            event.set()
+
+    plans = await asyncio.gather(
+        *(
+            p.matchmaker.form_group("run/early", num_elements=64, expected=3, due=d)
+            for p, d in zip(early, due, strict=True)
+        ),
+        late("run/early"),
+        step_due(),
+    )
+    assert {plan.round_id for plan in plans[:3]} == {plans[0].round_id}
+    assert plans[0].size == 3
+
+    control = await asyncio.gather(
+        *(p.matchmaker.form_group("run/early-2", num_elements=64, expected=3) for p in early),
+        late("run/early-2"),
+        return_exceptions=True,
+    )
+    first = control[0]
+    assert isinstance(first, GroupPlan) and first.size == 2, control

@@ -24,6 +24,7 @@ from training_peers import BATCH, X, Y, in_threads, make_inner, start_peers, tra
 
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.metrics import Metrics
+from p2ptrain.train.averaging import RoundOutcome
 from p2ptrain.peer import Peer
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer
@@ -190,6 +191,67 @@ def test_a_peer_two_steps_behind_downloads_the_state_at_its_next_step() -> None:
             peer.close()
     for a, b in zip(models[2].parameters(), models[0].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_peer_left_out_of_the_group_takes_the_swarms_step_and_keeps_its_samples() -> None:
+    """A peer whose matchmaking found no group while the others formed one (as
+    when its batch ended after their window) waits for them to finish the
+    step, downloads the result, and counts its samples toward the next step:
+    its parameters never leave the swarm's, and its samples are not lost."""
+    swarm = start_peers(3, matchmaking=dataclasses.replace(FAST_MATCHMAKING, window=0.5))
+    config = TrainerConfig(
+        run_id="left-out",
+        target_batch_size=3 * BATCH,
+        max_local_samples_per_step=BATCH,
+        progress=FAST_PROGRESS,
+    )
+    models = [make_model(0) for _ in range(3)]
+    opts = [
+        CollaborativeOptimizer(make_inner(m), peer=p, config=config)
+        for m, p in zip(models, swarm, strict=True)
+    ]
+    for opt in opts:
+        opt.start()
+    try:
+        assert all(opt.wait_for_peers(3, 20.0) for opt in opts)
+        averager = opts[2]._collaboration._averager
+        real_average = averager.average
+
+        async def left_out(
+            step: int, vector: torch.Tensor, weight: float, *, group_size: int
+        ) -> tuple[torch.Tensor, RoundOutcome]:
+            if step == 0:  # it never announces: the other two form a group of 2
+                return vector, RoundOutcome(step, 1, weight, "matchmaking: left out", False, 0, 0)
+            return await real_average(step, vector, weight, group_size=group_size)
+
+        averager.average = left_out  # type: ignore[method-assign]
+        in_threads(
+            [
+                lambda i=i: train_steps(opts[i], models[i], i, 3, 1)  # type: ignore[misc]
+                for i in range(3)
+            ]
+        )
+        left = opts[2]
+        assert opts[0].last_step is not None and opts[0].last_step.samples == 2 * BATCH
+        assert left.global_step == 1 and left.stats.syncs == 1
+        assert left.local_samples == BATCH  # kept toward step 1
+        for a, b in zip(models[2].parameters(), models[0].parameters(), strict=True):
+            assert torch.equal(a, b)
+        in_threads(
+            [
+                lambda i=i: train_steps(opts[i], models[i], i, 3, 1)  # type: ignore[misc]
+                for i in range(3)
+            ]
+        )
+        # Step 1 holds one batch of each peer plus the one kept from step 0.
+        assert all(o.last_step is not None and o.last_step.samples == 4 * BATCH for o in opts)
+    finally:
+        for opt in opts:
+            opt.close()
+        for peer in swarm:
+            peer.close()
+    for model in models[1:]:
+        assert_same_parameters(model, models[0])
 
 
 def test_overlapped_steps_with_fp16_feedback_keep_every_peer_on_the_same_parameters() -> None:
