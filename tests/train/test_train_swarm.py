@@ -24,8 +24,8 @@ from training_peers import BATCH, X, Y, in_threads, make_inner, start_peers, tra
 
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.metrics import Metrics
-from p2ptrain.train.averaging import RoundOutcome
 from p2ptrain.peer import Peer
+from p2ptrain.train.averaging import RoundOutcome
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer
 
