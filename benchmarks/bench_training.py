@@ -468,6 +468,16 @@ def summarize_equivalence(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run's figures, with samples/s pooled over every run (computed / wall)."""
+    first = dict(runs[0])
+    first["samples_per_s"] = sum(r["samples_computed"] for r in runs) / sum(
+        r["wall_s"] for r in runs
+    )
+    first["samples_per_s_runs"] = [r["samples_per_s"] for r in runs]
+    return first
+
+
 def parse_policy(spec: str, carry_batches: int) -> tuple[str, int]:
     """``carry``, ``wait`` or ``carry:N`` (carry with ``carry_batches`` = N) → (policy, N)."""
     policy, _, limit = spec.partition(":")
@@ -536,10 +546,16 @@ def equivalence(args: argparse.Namespace) -> None:
         )
         return
     # Every policy compared runs in this one invocation, beside the same no-cut run.
+    # With --repeats they alternate (policy, ..., no cut, policy, ...): the
+    # machine's speed drifts over minutes, and alternating spreads the drift.
     specs = [args.policy, *filter(None, (args.compare or "").split(","))]
-    compared = [(s, run_equivalence_swarm(args, args.peers, args.target, s)) for s in specs]
+    runs_of: dict[str, list[dict[str, Any]]] = {s: [] for s in [*specs, "unbounded"]}
+    for _ in range(max(1, args.repeats)):
+        for spec, done in runs_of.items():
+            done.append(run_equivalence_swarm(args, args.peers, args.target, spec))
+    compared = [(s, pooled(runs_of[s])) for s in specs]
     main_run = compared[0][1]
-    no_cut = run_equivalence_swarm(args, args.peers, args.target, "unbounded")
+    no_cut = pooled(runs_of["unbounded"])
     counts = sorted({r["samples_counted"] for _, r in compared})
     single_child = Child({"mode": "eqsingle", "target": args.target, "samples": counts})
     try:
@@ -553,6 +569,13 @@ def equivalence(args: argparse.Namespace) -> None:
         return [result["losses"][str(f)] / own[str(f)] for f in FRACTIONS]
 
     ratios = loss_ratios(main_run)
+    pairs = zip(main_run["samples_per_s_runs"], no_cut["samples_per_s_runs"], strict=True)
+    by_run = (
+        f"; pooled over {args.repeats} alternating runs each, run by run "
+        + ", ".join(f"{a / b:.3f}" for a, b in pairs)
+        if args.repeats > 1
+        else ""
+    )
     rows: list[list[object]] = []
     for name, result in [
         *((f"{args.peers} peers, {spec}", r) for spec, r in compared),
@@ -635,7 +658,7 @@ def equivalence(args: argparse.Namespace) -> None:
     print(
         f"loss ratio swarm/single at 25/50/100 %: {', '.join(f'{r:.3f}' for r in ratios)}; "
         f"samples/s {main_run['samples_per_s']:.1f} vs {no_cut['samples_per_s']:.1f} without "
-        f"the cut ({main_run['samples_per_s'] / no_cut['samples_per_s']:.3f}x); counted "
+        f"the cut ({main_run['samples_per_s'] / no_cut['samples_per_s']:.3f}x{by_run}); counted "
         f"{main_run['samples_counted']} = computed {main_run['samples_computed']} - pending "
         f"{main_run['samples_pending']}"
     )
@@ -662,6 +685,8 @@ def equivalence(args: argparse.Namespace) -> None:
                 "loss_ratio": ratios,
                 "samples_per_s": main_run["samples_per_s"],
                 "samples_per_s_no_cut": no_cut["samples_per_s"],
+                "samples_per_s_runs": main_run["samples_per_s_runs"],
+                "samples_per_s_no_cut_runs": no_cut["samples_per_s_runs"],
                 "runs": [
                     brief(args.peers, args.target, main_run),
                     *(brief(p, t, r) for p, t, r in extra),
@@ -736,6 +761,13 @@ def main() -> None:
         help="carry_batches of a carry run (default 1; with --wan a step's batches per peer)",
     )
     parser.add_argument("--also", help="more swarm runs, e.g. 8x256,4x1024 (--equivalence)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each policy and of the no-cut run, alternating; samples/s pooled over "
+        "them (--equivalence; the losses are the first runs')",
+    )
     parser.add_argument(
         "--runs-only",
         action="store_true",

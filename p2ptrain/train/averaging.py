@@ -350,21 +350,18 @@ class SwarmAverager:
         logger.debug("%s: matchmaking for step %d, group of %d", self.peer.peer_id, step, size)
         limit = base.window + base.lone_wait + 2 * base.ready_timeout + base.plan_timeout
         key = step_key(self.run_id, step)
-        loop = asyncio.get_running_loop()
-        watch: asyncio.Task[bool] | None = None
         try:
             async with asyncio.timeout(None if due is not None else limit) as timeout:
-                if due is not None:
-                    watch = loop.create_task(due.wait())
-                    watch.add_done_callback(lambda _: timeout.reschedule(loop.time() + limit))
-                plan = await self._matchmaker.form_group(
-                    key, num_elements=num_elements, target_batch_size=1, expected=size, due=due
-                )
+                watch = None if due is None else _limit_from(due, timeout, limit)
+                try:
+                    plan = await self._matchmaker.form_group(
+                        key, num_elements=num_elements, target_batch_size=1, expected=size, due=due
+                    )
+                finally:
+                    if watch is not None:
+                        watch.cancel()
         except TimeoutError:
             raise MatchmakingError(f"no group for step {step} within {limit:.1f} s") from None
-        finally:
-            if watch is not None:
-                watch.cancel()
         # INFO when the group changes; the same members again are routine.
         members = tuple(m.peer_id for m in plan.members)
         level = logging.DEBUG if members == self._last_members else logging.INFO
@@ -372,6 +369,17 @@ class SwarmAverager:
         names = ", ".join(m.short for m in members)
         logger.log(level, "found a group of %d for %s: %s", plan.size, key, names)
         return plan
+
+
+def _limit_from(due: asyncio.Event, timeout: asyncio.Timeout, limit: float) -> asyncio.Task[None]:
+    """A task that sets ``timeout`` to ``limit`` seconds after ``due`` is set
+    (cancel it when the timeout's block ends)."""
+
+    async def watch() -> None:
+        await due.wait()
+        timeout.reschedule(asyncio.get_running_loop().time() + limit)
+
+    return asyncio.get_running_loop().create_task(watch())
 
 
 def _log_round(outcome: RoundOutcome, plan: GroupPlan) -> None:
