@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS, GroupMember, GroupPlan
 from p2ptrain.allreduce.lp import LoadBalancer
 from p2ptrain.allreduce.partition import PeerCapacity
@@ -357,11 +358,15 @@ class Matchmaker:
         num_elements: int,
         target_batch_size: int,
     ) -> GroupPlan:
+        capacities = [c.capacity for c in members]
         balanced = self._balancer.plan(
-            [c.capacity for c in members],
+            capacities,
             vector_bytes=max(1, vector_bytes),
             target_batch_size=max(1, target_batch_size),
         )
+        # What the plan will take when TCP shares the links fairly (the LP's own
+        # time assumes the plan's proportions): a round is late only against this.
+        predicted = fair_share_round_time(balanced.shares, capacities, max(1, vector_bytes))
         cfg = self.config
         return GroupPlan.from_shares(
             [GroupMember(c.peer_id, c.address) for c in members],
@@ -370,7 +375,7 @@ class Matchmaker:
             chunk_elements=self._chunk_elements(members, vector_bytes / max(1, num_elements)),
             reduce_timeout=cfg.reduce_timeout,
             round_timeout=cfg.round_timeout,
-            predicted_time=balanced.round_time_s if math.isfinite(balanced.round_time_s) else None,
+            predicted_time=predicted if math.isfinite(predicted) else None,
         )
 
     def _chunk_elements(self, members: list[_Candidate], bytes_per_element: float) -> int:
