@@ -339,7 +339,7 @@ class Matchmaker:
         members.sort(key=lambda c: c.peer_id)
         plan: GroupPlan | None = None
         if len(members) >= self.config.min_group_size:
-            plan = self._plan(members, vector_bytes, num_elements, target_batch_size)
+            plan = await self._plan(members, vector_bytes, num_elements, target_batch_size)
             logger.debug("leading a group of %d for %s", len(members), key)
         else:
             logger.debug("too few live peers for %s (%d)", key, len(members))
@@ -351,7 +351,7 @@ class Matchmaker:
         if waiter is not None and not waiter.done():
             waiter.set_result(plan)
 
-    def _plan(
+    async def _plan(
         self,
         members: list[_Candidate],
         vector_bytes: int,
@@ -366,7 +366,10 @@ class Matchmaker:
         )
         # What the plan will take when TCP shares the links fairly (the LP's own
         # time assumes the plan's proportions): a round is late only against this.
-        predicted = fair_share_round_time(balanced.shares, capacities, max(1, vector_bytes))
+        # A simulation of up to tens of milliseconds: off the event loop.
+        predicted = await asyncio.to_thread(
+            fair_share_round_time, balanced.shares, capacities, max(1, vector_bytes)
+        )
         cfg = self.config
         return GroupPlan.from_shares(
             [GroupMember(c.peer_id, c.address) for c in members],
