@@ -25,7 +25,7 @@ bandwidth time (no allocation beats the fluid bound) and equals it when one
 link binds alone.
 
 The LP still optimizes the fluid model (linear, exact, fast); this module
-only predicts what its plan will take. Cost: a few milliseconds for 8
+only predicts what its plan will take. Cost: a few to tens of milliseconds for 8
 peers, about 0.1 s for 16 (every batch of flows that ends re-allocates);
 :data:`MAX_PEERS` bounds the groups it is run for.
 """
