@@ -8,13 +8,16 @@ Same eight peers and tbf links as ``allreduce/hetero.py``, in fresh star labs:
   :class:`~p2ptrain.measure.estimates.LinkEstimator`; every round's report
   goes into it too (receiver-timed streams). Before every round the parent
   asks each peer what it would announce in matchmaking and plans with the
-  LP on exactly that; the prediction is the plan's own. A peer whose round
+  LP on exactly that; the prediction is what matchmaking gives that plan
+  (:func:`~p2ptrain.allreduce.fairshare.fair_share_round_time`). A peer whose round
   ran late asks to probe again (``needs_probe``), as a swarm peer would:
   the parent lets those probe, one at a time, before the next round.
 * **throttle**: the same peers carry on for ``throttle_rounds`` rounds;
   after round ``throttle_after`` the ``dc`` link drops from 1000 to
   100 Mbit/s (both tbfs replaced). Adapted = the first round after the change
-  within 15 % of the LP's time for the new configured rates. For reference,
+  within 15 % of the predicted time of the LP's plan for the new configured
+  rates (its fair-share time, as matchmaking predicts; the LP's own fluid
+  time is ``throttle_fluid_predicted_s``). For reference,
   the LP's plan for those configured rates then runs on the same links, and
   ``throttle_rounds_to_match_configured`` counts the rounds until one came
   within 15 % of what that plan achieved (adaptation, apart from the model).
