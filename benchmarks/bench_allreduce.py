@@ -334,7 +334,8 @@ def _adaptive_report(h: dict[str, Any]) -> None:
     print(
         f"  throttle: adapted after {h['throttle_rounds_to_adapt']} round(s) (goal <= 3);"
         f" {h['throttle_s']:.3f} s vs {h['throttle_predicted_s']:.3f} s predicted for the new"
-        f" rates (goal within {ADAPT_TOLERANCE:.0%})"
+        f" rates (fair-share time; fluid {h['throttle_fluid_predicted_s']:.3f} s;"
+        f" goal within {ADAPT_TOLERANCE:.0%})"
     )
     print(
         f"  throttle: the configured new rates' plan achieved"

@@ -8,13 +8,16 @@ Same eight peers and tbf links as ``allreduce/hetero.py``, in fresh star labs:
   :class:`~p2ptrain.measure.estimates.LinkEstimator`; every round's report
   goes into it too (receiver-timed streams). Before every round the parent
   asks each peer what it would announce in matchmaking and plans with the
-  LP on exactly that; the prediction is the plan's own. A peer whose round
+  LP on exactly that; the prediction is what matchmaking gives that plan
+  (:func:`~p2ptrain.allreduce.fairshare.fair_share_round_time`). A peer whose round
   ran late asks to probe again (``needs_probe``), as a swarm peer would:
   the parent lets those probe, one at a time, before the next round.
 * **throttle**: the same peers carry on for ``throttle_rounds`` rounds;
   after round ``throttle_after`` the ``dc`` link drops from 1000 to
   100 Mbit/s (both tbfs replaced). Adapted = the first round after the change
-  within 15 % of the LP's time for the new configured rates. For reference,
+  within 15 % of the predicted time of the LP's plan for the new configured
+  rates (its fair-share time, as matchmaking predicts; the LP's own fluid
+  time is ``throttle_fluid_predicted_s``). For reference,
   the LP's plan for those configured rates then runs on the same links, and
   ``throttle_rounds_to_match_configured`` counts the rounds until one came
   within 15 % of what that plan achieved (adaptation, apart from the model).
@@ -35,6 +38,7 @@ from benchmarks.allreduce.hetero import SCENARIO, HeteroPeer
 from benchmarks.allreduce.netlab import LinkSpec, StarLab
 from benchmarks.allreduce.runner import PeerGroup, run_round
 from benchmarks.allreduce.systems import p2ptrain_plan, p2ptrain_prepares, start_p2ptrain
+from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
 from p2ptrain.testing.natlab.netns import python_env
 
@@ -47,8 +51,14 @@ ADAPT_TOLERANCE = 0.15
 
 
 def _plan(peers: Sequence[PeerCapacity], vector_bytes: int) -> tuple[tuple[float, ...], float]:
+    """The LP's shares and what matchmaking predicts for them (their fair-share time)."""
     plan = LoadBalancer().plan(peers, vector_bytes=vector_bytes, target_batch_size=1)
-    return plan.shares, plan.round_time_s
+    return plan.shares, fair_share_round_time(plan.shares, peers, vector_bytes)
+
+
+def _fluid_s(peers: Sequence[PeerCapacity], vector_bytes: int) -> float:
+    """The LP's own (fluid) time for its plan."""
+    return LoadBalancer().plan(peers, vector_bytes=vector_bytes, target_batch_size=1).round_time_s
 
 
 def _estimates(group: PeerGroup, scenario: Sequence[HeteroPeer], timeout: float) -> list[Any]:
@@ -213,6 +223,7 @@ def run_adaptive(
         settled = after[adapted - 1 :] if adapted is not None else after[1:]
         out["throttle_s"] = round(statistics.median(r["achieved_s"] for r in settled), 4)
         out["throttle_predicted_s"] = round(throttle_predicted, 4)
+        out["throttle_fluid_predicted_s"] = round(_fluid_s(new_rates, vector_bytes), 4)
         out["throttle_rounds"] = rounds
         # For reference, on the same throttled links: the plan of the configured new rates.
         reference = [

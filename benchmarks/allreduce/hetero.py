@@ -61,6 +61,7 @@ from benchmarks.allreduce.systems import (
     vector_prepares,
 )
 from p2ptrain.allreduce import ThroughputMeter
+from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
 from p2ptrain.allreduce.partition import equal_shares, evaluate_round_time
 from p2ptrain.testing.natlab.netns import python_env
@@ -110,10 +111,17 @@ class Prediction:
     lp_goodput_s: float
     """The LP plan's time at TCP goodput through tbf (rates × :data:`TCP_GOODPUT`)."""
     equal_goodput_s: float
+    lp_fluid_s: float
+    """The LP's own (fluid) time for its plan; ``lp_s`` is its fair-share time."""
 
 
 def predict(scenario: Sequence[HeteroPeer], vector_bytes: int) -> Prediction:
-    """Plan the scenario with the LP and evaluate equal shares and gloo's ring."""
+    """Plan the scenario with the LP and evaluate equal shares and gloo's ring.
+
+    Both plans' times are their fair-share times
+    (:func:`~p2ptrain.allreduce.fairshare.fair_share_round_time`), the prediction
+    p2ptrain's matchmaking gives a plan.
+    """
     peers = [peer.capacity() for peer in scenario]
     plan = LoadBalancer().plan(peers, vector_bytes=vector_bytes, target_batch_size=1)
     equal = tuple(equal_shares(peers))
@@ -123,11 +131,12 @@ def predict(scenario: Sequence[HeteroPeer], vector_bytes: int) -> Prediction:
     return Prediction(
         lp_shares=plan.shares,
         equal_shares=equal,
-        lp_s=plan.round_time_s,
-        equal_s=evaluate_round_time(equal, peers, vector_bytes),
+        lp_s=fair_share_round_time(plan.shares, peers, vector_bytes),
+        equal_s=fair_share_round_time(equal, peers, vector_bytes),
         gloo_ring_s=2 * (n - 1) / n * vector_bytes / slowest,
-        lp_goodput_s=evaluate_round_time(plan.shares, goodput, vector_bytes),
-        equal_goodput_s=evaluate_round_time(equal, goodput, vector_bytes),
+        lp_goodput_s=fair_share_round_time(plan.shares, goodput, vector_bytes),
+        equal_goodput_s=fair_share_round_time(equal, goodput, vector_bytes),
+        lp_fluid_s=plan.round_time_s,
     )
 
 

@@ -278,6 +278,7 @@ def hetero_report(args: argparse.Namespace, hetero: HeteroResult) -> dict[str, A
         "lp_s": round(lp_s, 4),
         "equal_s": round(equal_s, 4),
         "predicted_s": round(pred.lp_s, 4),
+        "predicted_fluid_s": round(pred.lp_fluid_s, 4),
         "predicted_equal_s": round(pred.equal_s, 4),
         "gloo_s": round(gloo_s, 4),
         "gloo_ring_model_s": round(pred.gloo_ring_s, 4),

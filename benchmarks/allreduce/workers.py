@@ -38,6 +38,7 @@ import json
 import os
 import resource
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,7 @@ from benchmarks.allreduce.proto import (
     read_command,
     write_message,
 )
+from p2ptrain.allreduce.butterfly import RoundObserver
 
 
 class _Inputs:
@@ -71,6 +73,44 @@ class _Inputs:
 
 
 # -- p2ptrain ---------------------------------------------------------------------------------
+
+TRACE = bool(os.environ.get("P2PTRAIN_BENCH_TRACE"))
+"""Diagnostics: each round's reply carries, per partner and event kind, when it first
+and last happened and how often (seconds from the round's start)."""
+
+
+class _Trace(RoundObserver):
+    """A round observer that keeps the first and last time of each (event, partner)."""
+
+    def __init__(self) -> None:
+        self._clock = time.perf_counter
+        self._start = self._clock()
+        self.events: dict[str, list[float]] = {}
+
+    def _note(self, kind: str, partner: int) -> None:
+        t = self._clock() - self._start
+        key = f"{kind}:{partner}"
+        seen = self.events.get(key)
+        if seen is None:
+            self.events[key] = [t, t, 1]
+        else:
+            seen[1] = t
+            seen[2] += 1
+
+    def part_sent(self, reducer: int, chunk: int) -> None:
+        self._note("part_sent", reducer)
+
+    def part_received(self, sender: int, chunk: int) -> None:
+        self._note("part_received", sender)
+
+    def result_sent(self, receiver: int, chunk: int) -> None:
+        self._note("result_sent", receiver)
+
+    def result_received(self, reducer: int, chunk: int) -> None:
+        self._note("result_received", reducer)
+
+    def summary(self) -> dict[str, list[float]]:
+        return {k: [round(v[0], 3), round(v[1], 3), int(v[2])] for k, v in self.events.items()}
 
 
 async def _serve_p2ptrain(
@@ -148,8 +188,11 @@ async def _serve_p2ptrain(
             vector = inputs.get(rank, plan.num_elements)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             allocated = default_pool.allocated
+            trace = _Trace() if TRACE else None
             start, cpu = now(), process_cpu_seconds()
-            result, report = await service.allreduce(plan, vector, 1.0, config=config)
+            result, report = await service.allreduce(
+                plan, vector, 1.0, config=config, observer=trace
+            )
             end, cpu = now(), process_cpu_seconds() - cpu
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             # Off the event loop (torch releases the GIL): what this peer still
@@ -171,6 +214,8 @@ async def _serve_p2ptrain(
                 # every connection of the round carries AES-GCM records (the default)
                 "sealed": [c.transport.sealed for c in node.connections()],
             }
+            if trace is not None:
+                detail["trace"] = trace.summary()
             ok = error <= TOLERANCE and report.complete and not report.failed
             write_message(RoundOutcome(start, end, cpu, error, ok, detail).to_dict())
             plan = None
@@ -246,7 +291,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.profile:
             import cProfile
-            import time
 
             # Import what the peer uses first: module imports are start-up, not rounds.
             import msgpack  # noqa: F401

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS, GroupMember, GroupPlan
 from p2ptrain.allreduce.lp import LoadBalancer
 from p2ptrain.allreduce.partition import PeerCapacity
@@ -354,7 +355,7 @@ class Matchmaker:
         members.sort(key=lambda c: c.peer_id)
         plan: GroupPlan | None = None
         if len(members) >= self.config.min_group_size:
-            plan = self._plan(members, vector_bytes, num_elements, target_batch_size)
+            plan = await self._plan(members, vector_bytes, num_elements, target_batch_size)
             logger.debug("leading a group of %d for %s", len(members), key)
         else:
             logger.debug("too few live peers for %s (%d)", key, len(members))
@@ -366,17 +367,24 @@ class Matchmaker:
         if waiter is not None and not waiter.done():
             waiter.set_result(plan)
 
-    def _plan(
+    async def _plan(
         self,
         members: list[_Candidate],
         vector_bytes: int,
         num_elements: int,
         target_batch_size: int,
     ) -> GroupPlan:
+        capacities = [c.capacity for c in members]
         balanced = self._balancer.plan(
-            [c.capacity for c in members],
+            capacities,
             vector_bytes=max(1, vector_bytes),
             target_batch_size=max(1, target_batch_size),
+        )
+        # What the plan will take when TCP shares the links fairly (the LP's own
+        # time assumes the plan's proportions): a round is late only against this.
+        # A simulation of up to tens of milliseconds: off the event loop.
+        predicted = await asyncio.to_thread(
+            fair_share_round_time, balanced.shares, capacities, max(1, vector_bytes)
         )
         cfg = self.config
         return GroupPlan.from_shares(
@@ -386,7 +394,7 @@ class Matchmaker:
             chunk_elements=self._chunk_elements(members, vector_bytes / max(1, num_elements)),
             reduce_timeout=cfg.reduce_timeout,
             round_timeout=cfg.round_timeout,
-            predicted_time=balanced.round_time_s if math.isfinite(balanced.round_time_s) else None,
+            predicted_time=predicted if math.isfinite(predicted) else None,
         )
 
     def _chunk_elements(self, members: list[_Candidate], bytes_per_element: float) -> int:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from p2ptrain.allreduce.config import AllReduceConfig
+from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.group import GroupPlan
 from p2ptrain.allreduce.matchmaking import (
     MIN_CHUNK_ELEMENTS,
@@ -179,6 +180,11 @@ async def _run_with_custom_parts(
     )
     plan = plans[0]
     assert [plan.part(i)[1] - plan.part(i)[0] for i in range(3)] == [300, 0, 0]
+    # The plan's prediction is matchmaking's own (fair-share) time for those
+    # shares, not the balancer's round_time_s.
+    capacity = PeerCapacity(upload_bytes_per_s=1e8, download_bytes_per_s=1e8, samples_per_s=10.0)
+    expected = fair_share_round_time([1.0, 0.0, 0.0], [capacity] * 3, 4 * 300)
+    assert plan.predicted_time == pytest.approx(expected) and expected < 1e-3
     results = await asyncio.gather(
         *(
             AllReduceService.attach(p.node).allreduce(
