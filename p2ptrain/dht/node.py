@@ -117,6 +117,8 @@ _LARGE_REPLY = 64 * 1024
 _UNRESPONSIVE_S = 30.0
 """Seconds later lookups skip an address a lookup gave up on (named in a reply)."""
 _UNRESPONSIVE_MAX = 4096
+_TIMER_SLACK_S = 1e-6
+"""A wait that ends this close to its deadline counts as having reached it."""
 _MAX_VERIFYING = 64
 """Callers whose announced address is checked at once (more wait for a later call)."""
 """What a request to another peer may fail with (typed errors and our own timeout)."""
@@ -422,7 +424,7 @@ class DHTNode:
                         return lookup.result()
                 now = loop.time()
                 for task in [t for t in pending if t not in stragglers]:
-                    if now - started[task] >= patience:
+                    if _outlived(started[task], patience, now):
                         stragglers.add(task)
                         lookup.on_failure(pending[task])
                         self._note_unresponsive(pending[task].address, now)
@@ -833,6 +835,19 @@ class DHTNode:
             if status.outcome is StoreOutcome.REJECTED:
                 logger.debug("refused a record from %s: %s", ctx.peer.short, status.reason)
         return Message(StoreReply(statuses).encode())
+
+
+def _outlived(started: float, patience: float, now: float) -> bool:
+    """Whether a query started at ``started`` has waited ``patience`` by ``now``.
+
+    The lookup sleeps until ``started + patience``, a sum that rounds: woken
+    there, ``now - started`` can come out an ulp short of ``patience`` (for
+    about 1 start in 1,000 with 0.5 s). Checked exactly, the query was not
+    given up, the next sleep was 0 s, and the lookup spun: on a virtual clock
+    forever (a zero timeout never lets the clock move), which hung the swarm
+    simulation; hence the slack.
+    """
+    return now - started >= patience - _TIMER_SLACK_S
 
 
 def _source_host(remote_address: str) -> str:

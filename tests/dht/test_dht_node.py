@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import p2ptrain.dht
 from p2ptrain.dht import DHT, DHTConfig, DHTNodeConfig, DictionaryValue, ValueWithExpiration
+from p2ptrain.dht.node import _outlived
 from p2ptrain.dht.protocol import (
     METHOD_FIND,
     METHOD_PING,
@@ -839,3 +840,13 @@ def test_decoders_reject_garbage_with_protocol_errors_only(body: Any, payload: b
     for decode in decoders:
         with contextlib.suppress(RemoteProtocolError):  # anything else fails the test
             decode()
+
+
+def test_a_query_woken_at_its_patience_end_counts_as_outlived_despite_rounding() -> None:
+    # 511.749... + 0.5 rounds down: exactly compared, the woken lookup found
+    # 0.5 s not yet over, slept 0 s, and spun (forever on the virtual clock).
+    started, patience = 511.74921327834824, 0.5
+    woken = started + patience
+    assert woken - started < patience
+    assert _outlived(started, patience, woken)
+    assert not _outlived(started, patience, started + 0.499)
