@@ -117,6 +117,9 @@ _LARGE_REPLY = 64 * 1024
 _UNRESPONSIVE_S = 30.0
 """Seconds later lookups skip an address a lookup gave up on (named in a reply)."""
 _UNRESPONSIVE_MAX = 4096
+_VERIFIED_S = 600.0
+"""Seconds a caller that answered at its announced address is believed there."""
+_VERIFIED_MAX = 4096
 _TIMER_SLACK_S = 1e-6
 """A wait that ends this close to its deadline counts as having reached it."""
 _MAX_VERIFYING = 64
@@ -168,6 +171,8 @@ class DHTNode:
         self._verifying: dict[PeerID, asyncio.Event] = {}
         # Addresses a lookup gave up on lately -> when to forget it (insertion order).
         self._unresponsive: OrderedDict[str, float] = OrderedDict()
+        # (caller, the address it answered at) -> until when it is believed there
+        self._verified: OrderedDict[tuple[PeerID, str], float] = OrderedDict()
         self._none_verifying = asyncio.Event()
         self._none_verifying.set()
         # How long a PING waits for its caller's address check (see _serve_ping):
@@ -746,7 +751,11 @@ class DHTNode:
             return None
         contact = Contact(ctx.peer, sender)
         known = self.routing_table.get(ctx.peer)
-        if not self.config.verify_callers or (known is not None and known.address == sender):
+        if (
+            not self.config.verify_callers
+            or (known is not None and known.address == sender)
+            or self._verified_lately(contact)
+        ):
             self._heard(contact)
             return None
         running = self._verifying.get(ctx.peer)
@@ -769,6 +778,7 @@ class DHTNode:
                 timeout=self.config.ping_timeout,
             )
             if not PingReply.decode(reply.body).client_mode:
+                self._note_verified(contact)
                 self._heard(contact)
         except (*_FAILURES, ValueError) as exc:
             logger.debug("%s did not answer at %s: %s", contact.peer_id.short, contact.address, exc)
@@ -778,6 +788,23 @@ class DHTNode:
                 checked.set()
             if not self._verifying:
                 self._none_verifying.set()
+
+    def _note_verified(self, contact: Contact) -> None:
+        key = (contact.peer_id, contact.address)
+        self._verified.pop(key, None)
+        self._verified[key] = self._clock() + _VERIFIED_S
+        while len(self._verified) > _VERIFIED_MAX:
+            self._verified.popitem(last=False)
+
+    def _verified_lately(self, contact: Contact) -> bool:
+        """Whether ``contact`` answered at its address in the last ``_VERIFIED_S``.
+
+        A caller that is not in the routing table (its bucket is full: most
+        peers of a large swarm) would otherwise be probed again at every
+        request it makes, a fresh connection and handshake each time.
+        """
+        until = self._verified.get((contact.peer_id, contact.address))
+        return until is not None and until > self._clock()
 
     async def callers_verified(self) -> None:
         """Wait until no caller's announced address is being checked (see ``verify_callers``)."""
