@@ -850,3 +850,20 @@ def test_a_query_woken_at_its_patience_end_counts_as_outlived_despite_rounding()
     assert woken - started < patience
     assert _outlived(started, patience, woken)
     assert not _outlived(started, patience, started + 0.499)
+
+
+async def test_a_dictionary_read_again_asks_only_its_closest_replicas(make_dht: DHTFactory) -> None:
+    """A matchmaking dictionary is polled until its group is complete; every poll
+    was a lookup from scratch that wanted 20 values."""
+    peers = await swarm(make_dht, 8)
+    writer, reader, late = peers[1], peers[2], peers[3]
+    assert await writer.store("group", 1, writer.now() + 60, subkey="a")
+    assert set(await reader.get_dictionary("group")) == {b"a"}
+    before = reader.dht_node.stats.sent.get(METHOD_FIND, 0)
+    assert await late.store("group", 2, late.now() + 60, subkey="b")
+    assert set(await reader.get_dictionary("group")) == {b"a", b"b"}
+    assert reader.dht_node.stats.sent.get(METHOD_FIND, 0) - before <= 3  # get_quorum
+    for peer in peers:  # the holders gone, a read looks the key up again
+        if peer not in (writer, reader):
+            await peer.aclose()
+    assert set(await reader.get_dictionary("group")) == {b"a", b"b"}  # writer's and our copy
