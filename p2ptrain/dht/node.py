@@ -33,7 +33,10 @@ if more than half of the replies carry it
 (:func:`~p2ptrain.dht.storage.agreed_value`), so a node whose id sits next
 to the key cannot forge one. With ``latest=True`` values are collected from
 up to ``replicas`` nodes and combined the same way (signed records: newest
-valid signature wins, per dictionary sub-key).
+valid signature wins, per dictionary sub-key). A key read with ``latest``
+again within 30 s is not looked up again: the ``get_quorum`` closest of its
+replicas found by the last lookup (or by our own store under it) are asked
+directly, in one round, and a lookup runs only when none of them answers.
 
 A plain get is *hedged*: it first asks only the closest candidate and
 launches the other queries the lookup hands out when that one fails, answers
@@ -117,6 +120,14 @@ _LARGE_REPLY = 64 * 1024
 _UNRESPONSIVE_S = 30.0
 """Seconds later lookups skip an address a lookup gave up on (named in a reply)."""
 _UNRESPONSIVE_MAX = 4096
+_VERIFIED_S = 600.0
+"""Seconds a caller that answered at its announced address is believed there."""
+_VERIFIED_MAX = 4096
+_HOLDERS_S = 30.0
+"""Seconds a read with ``latest`` asks the replicas a lookup found, without a new lookup."""
+_HOLDERS_MAX = 1024
+_TIMER_SLACK_S = 1e-6
+"""A wait that ends this close to its deadline counts as having reached it."""
 _MAX_VERIFYING = 64
 """Callers whose announced address is checked at once (more wait for a later call)."""
 """What a request to another peer may fail with (typed errors and our own timeout)."""
@@ -166,6 +177,10 @@ class DHTNode:
         self._verifying: dict[PeerID, asyncio.Event] = {}
         # Addresses a lookup gave up on lately -> when to forget it (insertion order).
         self._unresponsive: OrderedDict[str, float] = OrderedDict()
+        # (caller, the address it answered at) -> until when it is believed there
+        self._verified: OrderedDict[tuple[PeerID, str], float] = OrderedDict()
+        # key -> (until when, the replicas a lookup found for it): see find_value
+        self._holders: OrderedDict[bytes, tuple[float, tuple[Contact, ...]]] = OrderedDict()
         self._none_verifying = asyncio.Event()
         self._none_verifying.set()
         # How long a PING waits for its caller's address check (see _serve_ping):
@@ -315,7 +330,8 @@ class DHTNode:
         Args:
             key: The record key.
             latest: Ask up to ``replicas`` nodes and merge what they hold,
-                instead of returning the local copy or the first value found.
+                instead of returning the local copy or the first value found
+                (the replicas a lookup found lately, when there are some).
 
         Raises:
             ConfigError: The key is not bytes or too long.
@@ -332,6 +348,12 @@ class DHTNode:
         # believed when most of `get_quorum` replicas carry it (agreed_value).
         quorum = min(self.config.get_quorum, self._dht.effective_replicas)
         wanted = self._dht.effective_replicas if latest else quorum
+        if latest:
+            found = await self._ask_holders(key)
+            if found is not None:
+                if local is not None:
+                    found.append(local)
+                return agreed_value(found, now=self._clock())
         try:
             result = await self._lookup(
                 NodeID.from_key(key),
@@ -345,10 +367,62 @@ class DHTNode:
             if local is not None:
                 return local
             raise
+        if latest:
+            self._note_holders(key, result.closest)
         values = [value for _, value in result.values]
         if local is not None:
             values.append(local)
         return agreed_value(values, now=self._clock())
+
+    def _note_holders(self, key: bytes, closest: Sequence[Contact]) -> None:
+        """Remember the replicas of ``key`` that a lookup found (for :meth:`_ask_holders`)."""
+        replicas = tuple(c for c in closest if c.peer_id != self.peer_id)
+        replicas = replicas[: min(self.config.get_quorum, self._dht.effective_replicas)]
+        if not replicas:
+            return
+        self._holders.pop(key, None)
+        self._holders[key] = (self._clock() + _HOLDERS_S, replicas)
+        while len(self._holders) > _HOLDERS_MAX:
+            self._holders.popitem(last=False)
+
+    async def _ask_holders(self, key: bytes) -> list[StoredValue] | None:
+        """What the replicas of ``key`` found lately hold, asked directly in one round.
+
+        A key read again and again (a matchmaking dictionary polled until its
+        group is complete) was looked up from scratch at every read: 20
+        values wanted (``replicas`` is *k* by default), 20-40 requests. Every
+        writer stores on the replicas closest to the key, so the
+        ``get_quorum`` closest of them, found by the first lookup or by our
+        own store, answer nearly always the same: they alone are asked.
+        Queries that outlive the lookup patience are given up. ``None`` (do
+        a lookup) when no holders are known or none answered; they are then
+        forgotten.
+        """
+        known = self._holders.get(key)
+        if known is None:
+            return None
+        until, holders = known
+        if until <= self._clock():
+            del self._holders[key]
+            return None
+        request = FindRequest(NodeID.from_key(key), key, self._sender).encode()
+        tasks = [asyncio.ensure_future(self._query(c, request, key)) for c in holders]
+        try:
+            done, _ = await asyncio.wait(tasks, timeout=self._query_patience())
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        replies: list[FindReply] = []
+        for task in done:
+            try:
+                replies.append(task.result())
+            except _FAILURES as exc:
+                logger.debug("holder of a key failed: %s", exc)
+        if not replies:
+            self._holders.pop(key, None)
+            return None
+        return [reply.value for reply in replies if reply.value is not None]
 
     async def _lookup(
         self,
@@ -422,7 +496,7 @@ class DHTNode:
                         return lookup.result()
                 now = loop.time()
                 for task in [t for t in pending if t not in stragglers]:
-                    if now - started[task] >= patience:
+                    if _outlived(started[task], patience, now):
                         stragglers.add(task)
                         lookup.on_failure(pending[task])
                         self._note_unresponsive(pending[task].address, now)
@@ -512,6 +586,7 @@ class DHTNode:
                 raise
             closest = []
         remote = [c for c in closest if c.peer_id != self.peer_id]
+        self._note_holders(key, remote)
         want = self._dht.effective_replicas
         outcomes: list[tuple[StoreStatus, ...]] = []
         if not self.client_mode:
@@ -744,7 +819,11 @@ class DHTNode:
             return None
         contact = Contact(ctx.peer, sender)
         known = self.routing_table.get(ctx.peer)
-        if not self.config.verify_callers or (known is not None and known.address == sender):
+        if (
+            not self.config.verify_callers
+            or (known is not None and known.address == sender)
+            or self._verified_lately(contact)
+        ):
             self._heard(contact)
             return None
         running = self._verifying.get(ctx.peer)
@@ -767,6 +846,7 @@ class DHTNode:
                 timeout=self.config.ping_timeout,
             )
             if not PingReply.decode(reply.body).client_mode:
+                self._note_verified(contact)
                 self._heard(contact)
         except (*_FAILURES, ValueError) as exc:
             logger.debug("%s did not answer at %s: %s", contact.peer_id.short, contact.address, exc)
@@ -776,6 +856,23 @@ class DHTNode:
                 checked.set()
             if not self._verifying:
                 self._none_verifying.set()
+
+    def _note_verified(self, contact: Contact) -> None:
+        key = (contact.peer_id, contact.address)
+        self._verified.pop(key, None)
+        self._verified[key] = self._clock() + _VERIFIED_S
+        while len(self._verified) > _VERIFIED_MAX:
+            self._verified.popitem(last=False)
+
+    def _verified_lately(self, contact: Contact) -> bool:
+        """Whether ``contact`` answered at its address in the last ``_VERIFIED_S``.
+
+        A caller that is not in the routing table (its bucket is full: most
+        peers of a large swarm) would otherwise be probed again at every
+        request it makes, a fresh connection and handshake each time.
+        """
+        until = self._verified.get((contact.peer_id, contact.address))
+        return until is not None and until > self._clock()
 
     async def callers_verified(self) -> None:
         """Wait until no caller's announced address is being checked (see ``verify_callers``)."""
@@ -833,6 +930,19 @@ class DHTNode:
             if status.outcome is StoreOutcome.REJECTED:
                 logger.debug("refused a record from %s: %s", ctx.peer.short, status.reason)
         return Message(StoreReply(statuses).encode())
+
+
+def _outlived(started: float, patience: float, now: float) -> bool:
+    """Whether a query started at ``started`` has waited ``patience`` by ``now``.
+
+    The lookup sleeps until ``started + patience``, a sum that rounds: woken
+    there, ``now - started`` can come out an ulp short of ``patience`` (for
+    about 1 start in 1,000 with 0.5 s). Checked exactly, the query was not
+    given up, the next sleep was 0 s, and the lookup spun: on a virtual clock
+    forever (a zero timeout never lets the clock move), which hung the swarm
+    simulation; hence the slack.
+    """
+    return now - started >= patience - _TIMER_SLACK_S
 
 
 def _source_host(remote_address: str) -> str:

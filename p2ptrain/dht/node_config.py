@@ -66,6 +66,9 @@ class DHTNodeConfig:
             callers wait for a later call). A greeting PING is answered once
             the check ended (at most ``min(ping_timeout, request_timeout / 2)``),
             so a joining peer's lookup finds the peers that joined before it.
+            A caller that answered is believed at that address for 10
+            minutes: one whose bucket is full stays out of the table, and
+            was probed again at every request it made.
             Off: callers enter at once, under whatever address they announce.
         get_quorum: Replicas a plain get asks before it believes an unsigned
             value (capped by ``replicas``); the value must be carried by more

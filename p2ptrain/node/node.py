@@ -26,7 +26,7 @@ from p2ptrain.errors import ConnectError, HandshakeError, RemoteProtocolError, T
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.limits import InboundLimiter, RateLimitedLog
-from p2ptrain.node.memory import release_unused_memory
+from p2ptrain.node.memory import release_for_loop
 from p2ptrain.node.network import Listener, Network, TCPNetwork
 from p2ptrain.node.router import Router
 from p2ptrain.rpc.budget import ByteBudget
@@ -323,9 +323,10 @@ class Node:
 
     async def _release_memory_loop(self) -> None:
         interval = self.config.memory_release_interval
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(interval)
-            release_unused_memory(idle_for=interval)
+            release_for_loop(loop, interval)  # one pass per loop, however many nodes
 
     async def adopt(
         self, transport: FrameTransport, *, initiator: bool, expected: PeerID | None = None

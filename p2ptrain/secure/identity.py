@@ -10,6 +10,7 @@ private key: every connection proves it in the handshake
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class PeerID:
         return peer_id
 
     def __str__(self) -> str:
-        return base64.b32encode(self.digest).decode("ascii").rstrip("=").lower()
+        return _peer_text(self.digest)
 
     def __repr__(self) -> str:
         return f"PeerID({self.short})"
@@ -75,6 +76,12 @@ class PeerID:
     def short(self) -> str:
         """The first 10 characters of the string form, for logs."""
         return str(self)[:10]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _peer_text(digest: bytes) -> str:
+    """A PeerID's string form (remembered: logs and task names ask for it often)."""
+    return base64.b32encode(digest).decode("ascii").rstrip("=").lower()
 
 
 def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> bool:

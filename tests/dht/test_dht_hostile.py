@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from typing import Any
 
 import pytest
 from conftest import NodeFactory
@@ -221,3 +222,30 @@ async def test_a_caller_enters_the_routing_table_only_if_it_answers_where_it_cla
         for writer in held:
             writer.close()
         tar_pit.close()
+
+
+async def test_a_caller_that_answered_is_not_probed_again_at_each_request(
+    make_dht: DHTFactory,  # noqa: F811 - the fixture imported above
+) -> None:
+    """A caller outside the table (its bucket full) was probed, a fresh connection and
+    handshake, at every request it made: a large swarm's DHT spent most of its CPU so."""
+    victim = await make_dht(verify_callers=True)
+    caller = await make_dht(victim)
+    await asyncio.wait_for(victim.dht_node.callers_verified(), 5)
+    assert caller.peer_id in victim.dht_node.routing_table
+    probes: list[object] = []
+    probe = victim.node.probe
+
+    async def counted(*args: Any, **kwargs: Any) -> Message:
+        probes.append(args[0])
+        return await probe(*args, **kwargs)
+
+    victim.node.probe = counted  # type: ignore[method-assign]
+    for _ in range(3):
+        victim.dht_node.routing_table.remove(caller.peer_id)  # as if its bucket were full
+        await caller.node.call(
+            victim.address, METHOD_PING, PingRequest(caller.address.endpoint).encode(), timeout=5
+        )
+        await asyncio.wait_for(victim.dht_node.callers_verified(), 5)
+        assert caller.peer_id in victim.dht_node.routing_table
+    assert probes == []

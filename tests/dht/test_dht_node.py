@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import p2ptrain.dht
 from p2ptrain.dht import DHT, DHTConfig, DHTNodeConfig, DictionaryValue, ValueWithExpiration
+from p2ptrain.dht.node import _outlived
 from p2ptrain.dht.protocol import (
     METHOD_FIND,
     METHOD_PING,
@@ -839,3 +840,30 @@ def test_decoders_reject_garbage_with_protocol_errors_only(body: Any, payload: b
     for decode in decoders:
         with contextlib.suppress(RemoteProtocolError):  # anything else fails the test
             decode()
+
+
+def test_a_query_woken_at_its_patience_end_counts_as_outlived_despite_rounding() -> None:
+    # 511.749... + 0.5 rounds down: exactly compared, the woken lookup found
+    # 0.5 s not yet over, slept 0 s, and spun (forever on the virtual clock).
+    started, patience = 511.74921327834824, 0.5
+    woken = started + patience
+    assert woken - started < patience
+    assert _outlived(started, patience, woken)
+    assert not _outlived(started, patience, started + 0.499)
+
+
+async def test_a_dictionary_read_again_asks_only_its_closest_replicas(make_dht: DHTFactory) -> None:
+    """A matchmaking dictionary is polled until its group is complete; every poll
+    was a lookup from scratch that wanted 20 values."""
+    peers = await swarm(make_dht, 8)
+    writer, reader, late = peers[1], peers[2], peers[3]
+    assert await writer.store("group", 1, writer.now() + 60, subkey="a")
+    assert set(await reader.get_dictionary("group")) == {b"a"}
+    before = reader.dht_node.stats.sent.get(METHOD_FIND, 0)
+    assert await late.store("group", 2, late.now() + 60, subkey="b")
+    assert set(await reader.get_dictionary("group")) == {b"a", b"b"}
+    assert reader.dht_node.stats.sent.get(METHOD_FIND, 0) - before <= 3  # get_quorum
+    for peer in peers:  # the holders gone, a read looks the key up again
+        if peer not in (writer, reader):
+            await peer.aclose()
+    assert set(await reader.get_dictionary("group")) == {b"a", b"b"}  # writer's and our copy
