@@ -103,9 +103,14 @@ _SOLVER_MODULES = {
 
 @functools.cache
 def _cvxpy() -> ModuleType:
-    """cvxpy, imported on first use: it adds some 80 MB to a process, and only a
-    matchmaking leader solves an LP (every peer builds a :class:`LoadBalancer`)."""
+    """cvxpy (imported with this module, see below)."""
     return importlib.import_module("cvxpy")
+
+
+# Imported now, not at the first LP: importing cvxpy takes 1-6 s on 2 loaded
+# cores, and the first LP is on a matchmaking leader's critical path (its
+# members wait ``plan_timeout`` for the plan). It costs some 80 MB per process.
+_cvxpy()
 
 
 def _solver_installed(solver: str) -> bool:
