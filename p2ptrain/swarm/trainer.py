@@ -325,7 +325,7 @@ class PipelineTrainer:
         except (ConnectError, ConnectionClosedError, UnavailableError, MethodNotFoundError):
             # Gone only once it stays unreachable for gone_after seconds: a live
             # peer's transient failure must not replay what its steps counted.
-            now = time.monotonic()
+            now = self._clock()
             since = self._unreachable.setdefault((address, inc), now)
             return _gone(seen) if now - since >= self.config.gone_after else None
         except (P2PTrainError, TimeoutError) as exc:
