@@ -538,6 +538,9 @@ class StageServer:
                 logger.exception("stage %d: handing gradients to the optimizer failed", state.index)
             if state.copt.global_step != before:
                 self._emit("stepped", state.index)
+                # Receipts out at once: a trainer that finds this peer dead
+                # replays what its last receipts did not count.
+                await self._announce()
 
     def _hand_over(self, state: _Stage) -> None:
         """Give the accumulated gradients to the stage's optimizer as one batch (stepper thread)."""
@@ -698,7 +701,7 @@ class StageServer:
             commit_by = self._device.now() + remaining - self.config.commit_margin
         grad_y, samples = request.tensor, request.samples
         assert grad_y is not None
-        (grad_x, seq), elapsed = await self._device.run(
+        (grad_x, seq, receipts), elapsed = await self._device.run(
             lambda: self._backward_job(held, grad_y),
             lambda grads: self._commit(held.state, grads, samples, commit_by),
         )
@@ -706,7 +709,9 @@ class StageServer:
         self._observe_rate(samples, elapsed)
         self.stats.backwards += 1
         self._emit("backward_done", state.index)
-        receipt = {"inc": state.ledger.incarnation, "seq": seq}
+        # The commit's number, and the receipts so far: a trainer learns of every step
+        # with its next backward here, not only when it asks (swarm.receipts).
+        receipt = {**receipts.to_wire(), "seq": seq}
         if grad_x is None:
             return Message({"g": None, **receipt})
         header, view = encode_for_wire(grad_x, self.config.wire_dtype)
@@ -734,8 +739,9 @@ class StageServer:
 
     def _commit(
         self, state: _Stage, grads: _Grads, samples: int, commit_by: float
-    ) -> tuple[torch.Tensor | None, int]:
-        """Add a backward's gradients to the stage's sums, once, if its deadline allows."""
+    ) -> tuple[torch.Tensor | None, int, Receipts]:
+        """Add a backward's gradients to the stage's sums, once, if its deadline allows;
+        with the commit's number and the ledger's receipts."""
         if self._device.now() > commit_by:
             self.stats.refused_late += 1
             raise DeadlineExceededError(
@@ -754,7 +760,8 @@ class StageServer:
                     total.add_(grad, alpha=samples)
             state.pending += samples
             seq = state.ledger.commit()
-        return grad_x, seq
+            receipts = state.ledger.announced()
+        return grad_x, seq, receipts
 
     def _observe_rate(self, samples: int, backward_s: float) -> None:
         seconds = max(backward_s + (self._forward_s.value or 0.0), 1e-6)

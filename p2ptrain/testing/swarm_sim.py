@@ -124,6 +124,8 @@ class SwarmSimConfig:
             moments, on the stage :func:`~p2ptrain.swarm.rebalance.newcomer_stage` picks.
         rebalance: Run the rebalancers (off: the start assignment stays).
         min_gain: The rebalancing threshold (``RebalanceConfig.min_gain``).
+        max_held_per_peer: Each stage server's cap on one trainer's held
+            micro-batches (``StageServerConfig.max_held_per_peer``).
         step_interval: Seconds between a stage peer's hand-overs (its steps).
         announce_interval: Seconds between a stage peer's announcements.
         announce_ttl: Seconds an announcement lives.
@@ -144,6 +146,7 @@ class SwarmSimConfig:
     churn: float = 0.0
     rebalance: bool = True
     min_gain: float = 0.05
+    max_held_per_peer: int = 64
     step_interval: float = 5.0
     announce_interval: float = 6.0
     announce_ttl: float = 20.0
@@ -406,7 +409,8 @@ class SimStagePeer:
                 run_id=run_id,
                 target_batch_size=1 << 30,
                 min_compute_s=compute_s / 2,
-                hold_timeout=60 * compute_s,
+                hold_timeout=60 * config.compute_s,  # as the trainers' call timeout
+                max_held_per_peer=config.max_held_per_peer,
                 step_interval=config.step_interval,
                 announce_interval=config.announce_interval,
                 announce_ttl=config.announce_ttl,
