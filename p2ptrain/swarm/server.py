@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -200,9 +201,13 @@ class _Stage:
         self.memory_bytes = stage_memory_bytes(self.module, optimizer)
         check_budget(stage, self.memory_bytes, config.memory_budget_bytes)
         self.sums = [torch.zeros_like(p) for p in self.params]
+        self.spare: list[torch.Tensor] | None = None
+        """The other buffer: the last hand-over's gradients (the optimizer read them)."""
         self.pending = 0
         self.sums_stale = False
-        """Whether ``sums`` hold a handed-over batch: the next commit overwrites, not adds."""
+        """Whether ``sums`` hold no commit yet (a handed-over or a fresh buffer): the
+        next commit overwrites, not adds."""
+        self.handed_at = -math.inf
         self.ledger = CommitLedger()
         self.copt = stage_optimizer(
             optimizer,
@@ -533,7 +538,9 @@ class StageServer:
                 continue
             before = state.copt.global_step
             try:
-                await loop.run_in_executor(self._stepper, self._hand_over, state)
+                await loop.run_in_executor(
+                    self._stepper, functools.partial(self._hand_over, state, everything=False)
+                )
             except Exception:
                 logger.exception("stage %d: handing gradients to the optimizer failed", state.index)
             if state.copt.global_step != before:
@@ -542,15 +549,35 @@ class StageServer:
                 # replays what its last receipts did not count.
                 await self._announce()
 
-    def _hand_over(self, state: _Stage) -> None:
-        """Give the accumulated gradients to the stage's optimizer as one batch (stepper thread)."""
+    def _hand_over(self, state: _Stage, *, everything: bool = True) -> None:
+        """Give the accumulated gradients to the stage's optimizer as one batch (stepper
+        thread); unless ``everything``, only once ``handover_samples`` gathered or
+        ``handover_max_s`` passed (each hand-over is two passes over the stage's
+        gradients). The optimizer is told in any case, so that it steps when the
+        stage's other peers fill its batch."""
+        handed: list[torch.Tensor] | None = None
         with state.copt.state_lock:
-            samples, state.pending = state.pending, 0
-            for p, total in zip(state.params, state.sums, strict=True):
-                p.grad = total / samples if samples else None
-            # No pass to zero the sums: the next commit writes over them.
-            state.sums_stale = state.sums_stale or samples > 0
-            state.ledger.handed(samples)
+            samples = state.pending
+            limit = self.config.handover_samples or max(1, self.config.target_batch_size // 4)
+            now = time.monotonic()
+            due = now - state.handed_at >= self.config.handover_max_s
+            if samples and (everything or samples >= limit or due):
+                # Swap buffers: commits go on into the other one (overwritten, not
+                # added to), while the optimizer reads this one outside the lock.
+                handed = state.sums
+                state.sums = state.spare or [torch.empty_like(t) for t in handed]
+                state.spare = handed
+                state.sums_stale = True
+                state.pending = 0
+                state.handed_at = now
+                state.ledger.handed(samples)
+            else:
+                samples = 0
+        if handed is not None:
+            with torch.no_grad():
+                torch._foreach_div_(handed, samples)
+        for i, p in enumerate(state.params):
+            p.grad = None if handed is None else handed[i]
         before, syncs = state.copt.last_step, state.copt.stats.syncs
         state.copt.step(batch_size=samples)
         record = state.copt.last_step

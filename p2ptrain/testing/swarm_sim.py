@@ -412,6 +412,7 @@ class SimStagePeer:
                 hold_timeout=60 * config.compute_s,  # as the trainers' call timeout
                 max_held_per_peer=config.max_held_per_peer,
                 step_interval=config.step_interval,
+                handover_samples=1,  # hand over at every step_interval (virtual time)
                 announce_interval=config.announce_interval,
                 announce_ttl=config.announce_ttl,
             ),
