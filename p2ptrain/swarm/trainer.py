@@ -368,13 +368,21 @@ class PipelineTrainer:
         """Confirm and replay until no known-lost pass is left (before a clean end).
 
         Passes still pending on live servers stay pending: they are in those
-        servers' accumulators.
+        servers' accumulators. Passes on a server that stopped answering wait
+        until it answers again or counts as gone (``gone_after``) and they are
+        replayed.
         """
         while True:
             await self.confirm()
-            if not self._replays:
+            if self._replays:
+                await asyncio.gather(*list(self._replays), return_exceptions=True)
+            elif not any(
+                e.receipt is not None and (e.address, e.receipt[0]) in self._unreachable
+                for e in self._unconfirmed
+            ):
                 return
-            await asyncio.gather(*list(self._replays), return_exceptions=True)
+            else:
+                await asyncio.sleep(self.config.refresh_interval)
 
     async def aclose(self) -> None:
         """Stop confirming and replaying, and the loss thread (on the peer's loop)."""
