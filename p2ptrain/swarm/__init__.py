@@ -37,6 +37,9 @@ move_to(stage)`` (async, on the peer's loop), ``StageServerConfig.min_compute_s`
 ``StageServer.on_event`` (``forward_started``, ``forward_done``,
 ``backward_done``, ``stepped``), ``StageServerStats.samples_in_steps``.
 Exactly-once counting of samples across kills: :mod:`p2ptrain.swarm.ledger`.
+A simulation runs the same :class:`StageServer` on its virtual clock through
+``StageServer(device=..., stage_optimizer=...)`` and ``astart()`` / ``aclose()``
+/ ``abort()`` (:mod:`p2ptrain.testing.swarm_sim`).
 """
 
 from p2ptrain.errors import MemoryBudgetError, PipelineError, StageUnavailableError

@@ -58,8 +58,14 @@ class StageServerConfig:
             for the server to add its gradient; later it refuses, so that a
             trainer that gave up and retried elsewhere never sees the
             micro-batch counted twice.
-        step_interval: Seconds between hand-overs of the accumulated
-            gradients to the stage's collaborative optimizer.
+        step_interval: Seconds between looks at the stage's optimizer (it
+            steps when the stage's batch is full) and hand-overs of the
+            accumulated gradients to it.
+        handover_samples: Samples a server gathers before it hands its
+            gradients over (each hand-over is two passes over the stage's
+            gradients); ``None``: a quarter of ``target_batch_size``.
+        handover_max_s: Seconds after which whatever it gathered is handed
+            over anyway (the stage's progress counts only what was handed over).
         announce_interval: Seconds between announcements in the DHT.
         announce_ttl: Seconds an announcement lives in the DHT.
         sync_tolerance: Steps a stage peer may lag and still average.
@@ -78,6 +84,8 @@ class StageServerConfig:
     wire_dtype: str = "float32"
     commit_margin: float = 1.0
     step_interval: float = 0.25
+    handover_samples: int | None = None
+    handover_max_s: float = 1.0
     announce_interval: float = 1.0
     announce_ttl: float = 6.0
     sync_tolerance: int = 1
@@ -100,7 +108,16 @@ class StageServerConfig:
         )
         check_integer(f"{owner}.max_tensor_bytes", self.max_tensor_bytes, at_least=1)
         check_integer(f"{owner}.sync_tolerance", self.sync_tolerance, at_least=0)
-        for name in ("hold_timeout", "step_interval", "announce_interval", "announce_ttl"):
+        check_integer(
+            f"{owner}.handover_samples", self.handover_samples, at_least=1, allow_none=True
+        )
+        for name in (
+            "hold_timeout",
+            "step_interval",
+            "handover_max_s",
+            "announce_interval",
+            "announce_ttl",
+        ):
             check_number(f"{owner}.{name}", getattr(self, name))
         for name in ("min_compute_s", "commit_margin"):
             value = getattr(self, name)

@@ -7,8 +7,10 @@ All three are unary calls. Tensors travel as the tensor encoding of
                     ← {"y": <header>} + y
     swarm.backward  → {"v": 1, "run": str, "stage": int, "mb": bytes(16), "g": <header>,
                        "n": samples} + dL/dy
-                    ← {"g": <header> | None} + dL/dx (None: the stage input was not
-                      a floating tensor, e.g. token ids)
+                    ← {"g": <header> | None, "seq": int, "inc", "cs", "ls"} + dL/dx
+                      (None: the stage input was not a floating tensor, e.g. token ids;
+                      ``seq`` numbers the commit, the rest are the server's receipts,
+                      :mod:`p2ptrain.swarm.ledger`)
     swarm.release   → {"v": 1, "run": str, "stage": int, "mb": bytes(16)}  ← {}
 
 ``mb`` names a micro-batch within the calling trainer (the server keys held

@@ -43,6 +43,11 @@ caps what it could deliver in stage ``t`` (the samples/s its links to
 ``t``'s neighbouring stages carry), so a well-connected peer is preferred
 for a stage whose traffic its links can carry.
 
+A peer that has not measured its capacity yet (it announces 0 until its
+first backward) counts at the median measured capacity
+(:func:`estimate_unmeasured`): at a cold start, or when newcomers join, a
+stage whose peers are warming up does not look unserved.
+
 Queues break ties: among stages of equal capacity, the one with the longest
 queue per unit of capacity counts as the bottleneck.
 """
@@ -65,6 +70,7 @@ __all__ = [
     "RebalanceConfig",
     "Rebalancer",
     "decide",
+    "estimate_unmeasured",
     "newcomer_stage",
     "pipeline_throughput",
     "plan_moves",
@@ -231,6 +237,20 @@ def _bottleneck(totals: Sequence[float], queues: Sequence[int]) -> int:
         return (totals[stage], -pressure)
 
     return min(range(len(totals)), key=key)
+
+
+def estimate_unmeasured(loads: Sequence[PeerLoad]) -> list[PeerLoad]:
+    """``loads`` with each unmeasured peer (capacity 0: no backward done yet, e.g. at a
+    cold start or a newcomer) counted at the median measured capacity, so that a stage
+    whose peers are still warming up does not look unserved and draw peers to it."""
+    measured = sorted(load.throughput for load in loads if load.throughput > 0)
+    if not measured or len(measured) == len(loads):
+        return list(loads)
+    median = measured[len(measured) // 2]
+    return [
+        load if load.throughput > 0 else PeerLoad(load.peer, load.stage, median, load.queue)
+        for load in loads
+    ]
 
 
 def plan_moves(
@@ -443,6 +463,7 @@ class Rebalancer:
         if not any(load.peer == self.me for load in loads):
             return None  # not announced yet: nothing to decide from
         links = self._links() if self._links is not None else None
+        loads = estimate_unmeasured(loads)
         decision = decide(self.me, loads, self.config, self._rng, links=links)
         self.last = decision
         if decision.target is not None:

@@ -30,21 +30,28 @@ Theory of operation. A server holds the modules of its stage and answers
 
 Bad requests (malformed or oversized tensors, a stage this peer does not
 serve, an unknown micro-batch) get a typed error; the server keeps serving.
-Compute runs in one worker thread, so the event loop stays free; the
-optimizer's state lock keeps a step from changing the parameters under a
-forward or backward.
+Compute runs on the server's :class:`~p2ptrain.swarm.device.Device` (by
+default one worker thread, so the event loop stays free); the optimizer's
+state lock keeps a step from changing the parameters under a forward or
+backward. The stage's optimizer is made by ``stage_optimizer`` (by default
+a :class:`~p2ptrain.train.CollaborativeOptimizer` on the peer); a
+simulation passes a device and an optimizer on its virtual clock and runs
+this same class (:mod:`p2ptrain.testing.swarm_sim`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -63,6 +70,7 @@ from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import PeerID
 from p2ptrain.swarm.compute import compute_pool
 from p2ptrain.swarm.config import StageServerConfig
+from p2ptrain.swarm.device import Device, ThreadDevice
 from p2ptrain.swarm.directory import announce, withdraw
 from p2ptrain.swarm.ledger import CommitLedger, Receipts
 from p2ptrain.swarm.protocol import (
@@ -75,15 +83,68 @@ from p2ptrain.swarm.protocol import (
     parse_request,
 )
 from p2ptrain.swarm.stages import PipelineModel, check_budget, stage_memory_bytes
+from p2ptrain.train.collaboration import StepRecord, TrainerStats
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer
 
-__all__ = ["OptimizerFactory", "StageServer", "StageServerStats"]
+__all__ = [
+    "OptimizerFactory",
+    "StageOptimizer",
+    "StageOptimizerFactory",
+    "StageServer",
+    "StageServerStats",
+]
 
 logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 _RATE_SMOOTHING = 0.2
+
+
+class StageOptimizer(Protocol):
+    """What a server needs of its stage's optimizer (a
+    :class:`~p2ptrain.train.CollaborativeOptimizer` satisfies it)."""
+
+    @property
+    def state_lock(self) -> AbstractContextManager[Any]:
+        """Held while the parameters change."""
+        ...
+
+    @property
+    def global_step(self) -> int:
+        """Stage steps applied."""
+        ...
+
+    @property
+    def local_samples(self) -> int:
+        """Samples handed over and not yet in a step."""
+        ...
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """The latest step applied."""
+        ...
+
+    @property
+    def stats(self) -> TrainerStats:
+        """Its counts (``syncs``: states downloaded)."""
+        ...
+
+    def start(self) -> None:
+        """Join the stage's run (downloading its state if behind)."""
+        ...
+
+    def step(self, batch_size: int | None = None) -> bool:
+        """Add the gradients of ``batch_size`` samples; step when the stage's batch is full."""
+        ...
+
+    def close(self) -> None:
+        """Leave the stage's run."""
+        ...
+
+
+StageOptimizerFactory = Callable[[torch.optim.Optimizer, nn.Module, TrainerConfig], StageOptimizer]
+"""``(optimizer, stage module, the stage's run config) -> StageOptimizer``."""
 
 
 @dataclass
@@ -104,6 +165,14 @@ class StageServerStats:
     steps_by_stage: dict[int, int] = field(default_factory=dict)
 
 
+_Grads = tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]
+"""A backward's gradient of the stage input (``None``: not floating) and of its parameters."""
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
 @dataclass
 class _Held:
     state: _Stage
@@ -119,10 +188,10 @@ class _Stage:
     def __init__(
         self,
         *,
-        peer: Peer,
         model: PipelineModel,
         stage: int,
         make_optimizer: OptimizerFactory,
+        stage_optimizer: StageOptimizerFactory,
         config: StageServerConfig,
     ) -> None:
         self.index = stage
@@ -132,14 +201,18 @@ class _Stage:
         self.memory_bytes = stage_memory_bytes(self.module, optimizer)
         check_budget(stage, self.memory_bytes, config.memory_budget_bytes)
         self.sums = [torch.zeros_like(p) for p in self.params]
+        self.spare: list[torch.Tensor] | None = None
+        """The other buffer: the last hand-over's gradients (the optimizer read them)."""
         self.pending = 0
         self.sums_stale = False
-        """Whether ``sums`` hold a handed-over batch: the next commit overwrites, not adds."""
+        """Whether ``sums`` hold no commit yet (a handed-over or a fresh buffer): the
+        next commit overwrites, not adds."""
+        self.handed_at = -math.inf
         self.ledger = CommitLedger()
-        self.copt = CollaborativeOptimizer(
+        self.copt = stage_optimizer(
             optimizer,
-            peer=peer,
-            config=TrainerConfig(
+            self.module,
+            TrainerConfig(
                 run_id=f"{config.run_id}-stage{stage}",
                 target_batch_size=config.target_batch_size,
                 max_local_samples_per_step=config.max_local_samples_per_step,
@@ -147,7 +220,6 @@ class _Stage:
                 progress=config.progress,
                 state=config.state,
             ),
-            model=self.module,
         )
 
 
@@ -155,14 +227,21 @@ class StageServer:
     """Serves one stage of a pipeline run on a started :class:`~p2ptrain.peer.Peer`.
 
     Use as a context manager or call :meth:`start` and :meth:`close` (from
-    ordinary threads, not the peer's loop). :meth:`move_to` runs on the loop.
+    ordinary threads, not the peer's loop); on the loop, :meth:`astart` and
+    :meth:`aclose`. :meth:`move_to` runs on the loop.
 
     Args:
-        peer: The started peer whose node serves the stage.
+        peer: The started peer whose node serves the stage (a simulation
+            passes an object with its ``node``, ``dht`` and ``address``).
         model: The model's blocks and stages.
         stage: The stage to serve first.
         make_optimizer: Builds the stage's optimizer from its parameters.
         config: The run and the server's limits.
+        device: Where forwards and backwards run (default: a
+            :class:`~p2ptrain.swarm.device.ThreadDevice` with
+            ``config.min_compute_s``).
+        stage_optimizer: Wraps the stage's optimizer for stage steps (default:
+            a :class:`~p2ptrain.train.CollaborativeOptimizer` on ``peer``).
 
     Raises:
         MemoryBudgetError: (from :meth:`start`) the stage does not fit the budget.
@@ -176,6 +255,8 @@ class StageServer:
         stage: int,
         make_optimizer: OptimizerFactory,
         config: StageServerConfig,
+        device: Device | None = None,
+        stage_optimizer: StageOptimizerFactory | None = None,
     ) -> None:
         if not isinstance(config, StageServerConfig):
             raise ConfigError("config must be a StageServerConfig")
@@ -184,11 +265,12 @@ class StageServer:
         self.config = config
         self._first_stage = model.check_stage(stage)
         self._make_optimizer = make_optimizer
+        self._stage_optimizer = stage_optimizer or self._collaborative
         self._state: _Stage | None = None
         self._moving = False
         self._held: dict[tuple[PeerID, bytes], _Held] = {}
         self._held_per_peer: Counter[PeerID] = Counter()
-        self._compute = compute_pool("stage-compute")
+        self._device: Device = device or ThreadDevice(config.min_compute_s)
         self._stepper = compute_pool("stage-step")
         self._tasks: list[asyncio.Task[None]] = []
         self._address = ""
@@ -203,6 +285,11 @@ class StageServer:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def _collaborative(
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, config: TrainerConfig
+    ) -> StageOptimizer:
+        return CollaborativeOptimizer(optimizer, peer=self.peer, config=config, model=module)
+
     def start(self) -> None:
         """Build the stage (checking the memory budget), join its run, serve and announce.
 
@@ -211,7 +298,18 @@ class StageServer:
         """
         state = self._open(self._first_stage)
         self._state = state
-        self.peer.run(self._astart(), timeout=30)
+        self.peer.run(self._serve(), timeout=30)
+        self._log_serving(state)
+
+    async def astart(self) -> None:
+        """:meth:`start` on the peer's loop (the stage is built in the stepper thread)."""
+        loop = asyncio.get_running_loop()
+        state = await loop.run_in_executor(self._stepper, self._open, self._first_stage)
+        self._state = state
+        await self._serve()
+        self._log_serving(state)
+
+    def _log_serving(self, state: _Stage) -> None:
         logger.info(
             "serving stage %d of %s (%.2f MB of parameters and optimizer state)",
             state.index,
@@ -221,16 +319,16 @@ class StageServer:
 
     def _open(self, stage: int) -> _Stage:
         state = _Stage(
-            peer=self.peer,
             model=self.model,
             stage=stage,
             make_optimizer=self._make_optimizer,
+            stage_optimizer=self._stage_optimizer,
             config=self.config,
         )
         state.copt.start()  # downloads the stage's state from a peer of it if behind
         return state
 
-    async def _astart(self) -> None:
+    async def _serve(self) -> None:
         self._address = self.peer.address
         handlers = self.peer.node.handlers
         handlers.add_unary(FORWARD_METHOD, self._forward)
@@ -251,7 +349,37 @@ class StageServer:
         self._closed = True
         if self.peer.running:
             with contextlib.suppress(TimeoutError, RuntimeError):
-                self.peer.run(self._aclose(), timeout=10)
+                self.peer.run(self._stop_serving(), timeout=10)
+        self._leave()
+        self._stepper.shutdown(wait=True)
+
+    async def aclose(self) -> None:
+        """:meth:`close` on the peer's loop (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._stop_serving()
+        await asyncio.get_running_loop().run_in_executor(self._stepper, self._leave)
+        self._stepper.shutdown(wait=False)
+
+    async def abort(self) -> None:
+        """Stop at once, as a crash would: no hand-over and no withdrawal (on the loop).
+
+        What the server committed and had not yet stepped is lost; the
+        trainers replay it once its receipts stop answering. For simulations
+        of churn; a real process that dies needs no call.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._drop_held()
+        self._device.shutdown()
+        self._stepper.shutdown(wait=False)
+
+    def _leave(self) -> None:
         state = self._state
         if state is not None:
             pending = state.pending
@@ -265,10 +393,9 @@ class StageServer:
                     exc,
                 )
             state.copt.close()
-        self._compute.shutdown(wait=True)
-        self._stepper.shutdown(wait=True)
+        self._device.shutdown()
 
-    async def _aclose(self) -> None:
+    async def _stop_serving(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -331,8 +458,8 @@ class StageServer:
         return self._current().memory_bytes
 
     @property
-    def optimizer(self) -> CollaborativeOptimizer:
-        """The current stage's collaborative optimizer."""
+    def optimizer(self) -> StageOptimizer:
+        """The current stage's optimizer (by default collaborative)."""
         return self._current().copt
 
     @property
@@ -370,7 +497,7 @@ class StageServer:
         self._moving = True
         try:
             self._drop_held()
-            await loop.run_in_executor(self._compute, lambda: None)  # in-flight compute is done
+            await self._device.idle()  # in-flight compute is done
             await loop.run_in_executor(self._stepper, self._drain, old, drain_timeout)
             await self._withdraw(old)
             new = await loop.run_in_executor(self._stepper, self._open, stage)
@@ -411,21 +538,46 @@ class StageServer:
                 continue
             before = state.copt.global_step
             try:
-                await loop.run_in_executor(self._stepper, self._hand_over, state)
+                await loop.run_in_executor(
+                    self._stepper, functools.partial(self._hand_over, state, everything=False)
+                )
             except Exception:
                 logger.exception("stage %d: handing gradients to the optimizer failed", state.index)
             if state.copt.global_step != before:
                 self._emit("stepped", state.index)
+                # Receipts out at once: a trainer that finds this peer dead
+                # replays what its last receipts did not count.
+                await self._announce()
 
-    def _hand_over(self, state: _Stage) -> None:
-        """Give the accumulated gradients to the stage's optimizer as one batch (stepper thread)."""
+    def _hand_over(self, state: _Stage, *, everything: bool = True) -> None:
+        """Give the accumulated gradients to the stage's optimizer as one batch (stepper
+        thread); unless ``everything``, only once ``handover_samples`` gathered or
+        ``handover_max_s`` passed (each hand-over is two passes over the stage's
+        gradients). The optimizer is told in any case, so that it steps when the
+        stage's other peers fill its batch."""
+        handed: list[torch.Tensor] | None = None
         with state.copt.state_lock:
-            samples, state.pending = state.pending, 0
-            for p, total in zip(state.params, state.sums, strict=True):
-                p.grad = total / samples if samples else None
-            # No pass to zero the sums: the next commit writes over them.
-            state.sums_stale = state.sums_stale or samples > 0
-            state.ledger.handed(samples)
+            samples = state.pending
+            limit = self.config.handover_samples or max(1, self.config.target_batch_size // 4)
+            now = time.monotonic()
+            due = now - state.handed_at >= self.config.handover_max_s
+            if samples and (everything or samples >= limit or due):
+                # Swap buffers: commits go on into the other one (overwritten, not
+                # added to), while the optimizer reads this one outside the lock.
+                handed = state.sums
+                state.sums = state.spare or [torch.empty_like(t) for t in handed]
+                state.spare = handed
+                state.sums_stale = True
+                state.pending = 0
+                state.handed_at = now
+                state.ledger.handed(samples)
+            else:
+                samples = 0
+        if handed is not None:
+            with torch.no_grad():
+                torch._foreach_div_(handed, samples)
+        for i, p in enumerate(state.params):
+            p.grad = None if handed is None else handed[i]
         before, syncs = state.copt.last_step, state.copt.stats.syncs
         state.copt.step(batch_size=samples)
         record = state.copt.last_step
@@ -530,10 +682,12 @@ class StageServer:
         loop = asyncio.get_running_loop()
         stored = False
         try:
-            assert request.tensor is not None
-            x, y, step = await loop.run_in_executor(
-                self._compute, self._forward_job, state, request.tensor
+            tensor = request.tensor
+            assert tensor is not None
+            (x, y, step), elapsed = await self._device.run(
+                lambda: self._forward_job(state, tensor), _same
             )
+            self._forward_s.update(elapsed, _RATE_SMOOTHING)
             if self._state is not state or self._moving:
                 raise UnavailableError("this peer moved to another stage")
             expires = loop.time() + self.config.hold_timeout
@@ -549,26 +703,15 @@ class StageServer:
         header, view = encode_for_wire(y, self.config.wire_dtype)
         return Message({"y": header}, view)
 
-    def _forward_job(
-        self, state: _Stage, tensor: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        started = time.perf_counter()
+    @staticmethod
+    def _forward_job(state: _Stage, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         x = tensor.detach()
         if x.is_floating_point():
             x.requires_grad_(True)
         with state.copt.state_lock, torch.enable_grad():
             y = state.module(x)
             step = state.copt.global_step
-        self._floor(started)
-        elapsed = time.perf_counter() - started
-        self._forward_s.update(elapsed, _RATE_SMOOTHING)
         return x, y, step
-
-    def _floor(self, started: float) -> None:
-        """Emulate a slower device: hold the compute thread until ``min_compute_s`` passed."""
-        rest = self.config.min_compute_s - (time.perf_counter() - started)
-        if rest > 0:
-            time.sleep(rest)
 
     async def _backward(self, ctx: CallContext, message: Message) -> Message:
         request, state = self._parse(message, "g")
@@ -581,24 +724,29 @@ class StageServer:
         loop = asyncio.get_running_loop()
         commit_by = math.inf
         if ctx.deadline is not None:
-            commit_by = time.monotonic() + (ctx.deadline - loop.time()) - self.config.commit_margin
-        assert request.tensor is not None
-        grad_x, seq = await loop.run_in_executor(
-            self._compute, self._backward_job, held, request.tensor, request.samples, commit_by
+            remaining = ctx.deadline - loop.time()
+            commit_by = self._device.now() + remaining - self.config.commit_margin
+        grad_y, samples = request.tensor, request.samples
+        assert grad_y is not None
+        (grad_x, seq, receipts), elapsed = await self._device.run(
+            lambda: self._backward_job(held, grad_y),
+            lambda grads: self._commit(held.state, grads, samples, commit_by),
         )
+        self.stats.samples_committed += samples
+        self._observe_rate(samples, elapsed)
         self.stats.backwards += 1
         self._emit("backward_done", state.index)
-        receipt = {"inc": state.ledger.incarnation, "seq": seq}
+        # The commit's number, and the receipts so far: a trainer learns of every step
+        # with its next backward here, not only when it asks (swarm.receipts).
+        receipt = {**receipts.to_wire(), "seq": seq}
         if grad_x is None:
             return Message({"g": None, **receipt})
         header, view = encode_for_wire(grad_x, self.config.wire_dtype)
         return Message({"g": header, **receipt}, view)
 
-    def _backward_job(
-        self, held: _Held, grad_y: torch.Tensor, samples: int, commit_by: float
-    ) -> tuple[torch.Tensor | None, int]:
+    @staticmethod
+    def _backward_job(held: _Held, grad_y: torch.Tensor) -> _Grads:
         state = held.state
-        started = time.perf_counter()
         with state.copt.state_lock, torch.enable_grad():
             x, y = held.x, held.y
             if held.step != state.copt.global_step:  # the stage stepped: recompute the forward
@@ -613,13 +761,20 @@ class StageServer:
             wants_x = x.requires_grad
             inputs = [x, *state.params] if wants_x else list(state.params)
             grads = torch.autograd.grad(y, inputs, grad_y.to(y.dtype), allow_unused=True)
-        self._floor(started)
-        if time.monotonic() > commit_by:
+        grad_x = grads[0].detach() if wants_x else None
+        return grad_x, grads[1:] if wants_x else grads
+
+    def _commit(
+        self, state: _Stage, grads: _Grads, samples: int, commit_by: float
+    ) -> tuple[torch.Tensor | None, int, Receipts]:
+        """Add a backward's gradients to the stage's sums, once, if its deadline allows;
+        with the commit's number and the ledger's receipts."""
+        if self._device.now() > commit_by:
             self.stats.refused_late += 1
             raise DeadlineExceededError(
                 "the backward finished too close to its deadline; not counted"
             )
-        param_grads = grads[1:] if wants_x else grads
+        grad_x, param_grads = grads
         with state.copt.state_lock:
             stale, state.sums_stale = state.sums_stale, False
             for total, grad in zip(state.sums, param_grads, strict=True):
@@ -632,10 +787,8 @@ class StageServer:
                     total.add_(grad, alpha=samples)
             state.pending += samples
             seq = state.ledger.commit()
-        self.stats.samples_committed += samples
-        elapsed = time.perf_counter() - started
-        self._observe_rate(samples, elapsed)
-        return (grads[0].detach() if wants_x else None), seq
+            receipts = state.ledger.announced()
+        return grad_x, seq, receipts
 
     def _observe_rate(self, samples: int, backward_s: float) -> None:
         seconds = max(backward_s + (self._forward_s.value or 0.0), 1e-6)

@@ -240,6 +240,9 @@ class PipelineTrainer:
                 self._failed(stage, address, "backward", exc)
             else:
                 self._keep(_Unconfirmed(stage, address, _receipt(reply), x, grad, samples))
+                receipts = Receipts.from_wire(reply.body)
+                if receipts is not None:
+                    self._saw_receipts(address, receipts)
                 return result
             # The peer lost the micro-batch (or died): redo the stage's forward elsewhere.
             _, chain[stage] = await self._forward(stage, mb, x, samples)
@@ -325,7 +328,7 @@ class PipelineTrainer:
         except (ConnectError, ConnectionClosedError, UnavailableError, MethodNotFoundError):
             # Gone only once it stays unreachable for gone_after seconds: a live
             # peer's transient failure must not replay what its steps counted.
-            now = time.monotonic()
+            now = self._clock()
             since = self._unreachable.setdefault((address, inc), now)
             return _gone(seen) if now - since >= self.config.gone_after else None
         except (P2PTrainError, TimeoutError) as exc:
@@ -338,8 +341,19 @@ class PipelineTrainer:
         receipts = Receipts.from_wire(body)
         if receipts is None or receipts.incarnation != inc:
             return None
-        self._receipts_seen[(address, inc)] = receipts
+        self._saw_receipts(address, receipts)
         return receipts
+
+    def _saw_receipts(self, address: str, receipts: Receipts) -> None:
+        """Keep the newest receipts of a server's incarnation (from a reply or the
+        directory): when the server vanishes, what they count is not replayed."""
+        key = (address, receipts.incarnation)
+        seen = self._receipts_seen.get(key)
+        if seen is None or (receipts.contributed, len(receipts.lost)) >= (
+            seen.contributed,
+            len(seen.lost),
+        ):
+            self._receipts_seen[key] = receipts
 
     async def _replay(self, entry: _Unconfirmed) -> None:
         """Push a lost stage pass through another peer of its stage (forward, then backward)."""
@@ -354,13 +368,21 @@ class PipelineTrainer:
         """Confirm and replay until no known-lost pass is left (before a clean end).
 
         Passes still pending on live servers stay pending: they are in those
-        servers' accumulators.
+        servers' accumulators. Passes on a server that stopped answering wait
+        until it answers again or counts as gone (``gone_after``) and they are
+        replayed.
         """
         while True:
             await self.confirm()
-            if not self._replays:
+            if self._replays:
+                await asyncio.gather(*list(self._replays), return_exceptions=True)
+            elif not any(
+                e.receipt is not None and (e.address, e.receipt[0]) in self._unreachable
+                for e in self._unconfirmed
+            ):
                 return
-            await asyncio.gather(*list(self._replays), return_exceptions=True)
+            else:
+                await asyncio.sleep(self.config.refresh_interval)
 
     async def aclose(self) -> None:
         """Stop confirming and replaying, and the loss thread (on the peer's loop)."""
@@ -446,6 +468,9 @@ class PipelineTrainer:
         if cached is not None and not force and now - cached[0] < self.config.refresh_interval:
             return cached[1]
         found = await read_stage_or_empty(self.peer.dht, self.config.run_id, stage)
+        for a in found:
+            if a.receipts is not None:
+                self._saw_receipts(a.address, a.receipts)
         candidates = [a.candidate() for a in found]
         self._candidates[stage] = (now, candidates)
         return candidates

@@ -15,15 +15,21 @@ What runs as in production, over :class:`~p2ptrain.testing.simnet.SimNetwork`
 * rebalancing: one :class:`p2ptrain.swarm.rebalance.Rebalancer` per stage
   peer, reading the directory every period and moving its peer.
 
-What is stood in: the stage server. :class:`SimStageServer` answers the same
-``swarm.forward`` / ``swarm.backward`` / ``swarm.release`` messages with the
-real stage modules, but its device is a compute time on the virtual clock
-(the emulated speed, as ``StageServerConfig.min_compute_s`` emulates it in
-real processes) and it does no stage-wise averaging. The production
-:class:`~p2ptrain.swarm.server.StageServer` cannot run here: it is built on a
-:class:`~p2ptrain.peer.Peer` (an event loop in its own thread per peer) and
-computes in worker threads under wall-clock floors, which the virtual clock
-does not see. Its protocol, announcements and moves are the same.
+* the stage servers: the production :class:`~p2ptrain.swarm.server.StageServer`
+  (its handlers, hold cap and expiry, commit ledger and receipts,
+  announcements, measured rate and moves), started with
+  :meth:`~p2ptrain.swarm.server.StageServer.astart` on the simulated host.
+
+Two collaborators of the server are swapped for ones on the virtual clock,
+through its ``device`` and ``stage_optimizer`` arguments:
+:class:`VirtualDevice` (the compute runs at once, then the call holds the
+device for the peer's emulated compute time, as ``min_compute_s`` does in real
+processes) and :class:`LocalStageOptimizer` (each stage peer steps alone at
+every hand-over: no stage-wise averaging, because
+:class:`~p2ptrain.train.CollaborativeOptimizer` is built on a
+:class:`~p2ptrain.peer.Peer`, a loop in its own thread). A peer that leaves
+by churn crashes: its host is cut off and its server aborted, nothing handed
+over or withdrawn; the trainers replay what it had not counted.
 
 Throughput is what the trainers deliver (samples whose backward through
 stage 0 completed) per virtual second of each rebalancing period; the ideal
@@ -43,14 +49,14 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import random
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import nn
@@ -58,53 +64,42 @@ from torch import nn
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.config import DHTConfig
 from p2ptrain.dht.node_config import DHTNodeConfig
-from p2ptrain.errors import (
-    ConfigError,
-    InvalidArgumentError,
-    P2PTrainError,
-    UnavailableError,
-)
-from p2ptrain.measure.meters import MovingAverage
+from p2ptrain.errors import ConfigError, P2PTrainError
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
-from p2ptrain.rpc.handlers import CallContext, Message
-from p2ptrain.secure.identity import Identity, PeerID
-from p2ptrain.swarm.config import PipelineTrainerConfig
-from p2ptrain.swarm.directory import announce, read_stage_or_empty, withdraw
-from p2ptrain.swarm.protocol import (
-    BACKWARD_METHOD,
-    FORWARD_METHOD,
-    RELEASE_METHOD,
-    StageRequest,
-    encode_for_wire,
-    parse_request,
-)
+from p2ptrain.secure.identity import Identity
+from p2ptrain.swarm.config import PipelineTrainerConfig, StageServerConfig
+from p2ptrain.swarm.directory import read_stage_or_empty
 from p2ptrain.swarm.rebalance import (
     PeerLoad,
     RebalanceConfig,
     Rebalancer,
     newcomer_stage,
 )
+from p2ptrain.swarm.server import StageServer
 from p2ptrain.swarm.stages import PipelineModel
 from p2ptrain.swarm.trainer import PipelineTrainer
 from p2ptrain.testing.simnet import LinkProfile, SimEndpoint, SimNetwork
 from p2ptrain.testing.simulator import EPOCH, HOME_LINKS
+from p2ptrain.train.collaboration import StepRecord, TrainerStats
 
 if TYPE_CHECKING:
     from p2ptrain.peer import Peer
 
 __all__ = [
+    "LocalStageOptimizer",
     "PeriodResult",
-    "SimStageServer",
+    "SimStagePeer",
     "SwarmSimConfig",
     "SwarmSimulation",
+    "VirtualDevice",
     "ideal_throughput",
 ]
 
 logger = logging.getLogger(__name__)
 
-_FORWARD_SHARE = 1 / 3
-"""Share of a micro-batch's compute spent in forward (backward costs about twice)."""
+R = TypeVar("R")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -128,10 +123,10 @@ class SwarmSimConfig:
             period; as many new peers (with fresh speeds) join, at random
             moments, on the stage :func:`~p2ptrain.swarm.rebalance.newcomer_stage` picks.
         rebalance: Run the rebalancers (off: the start assignment stays).
-        queue_signal: What a stage peer announces as its queue: ``"held"``
-            (micro-batches whose backward is pending, as the production
-            server announces) or ``"compute"`` (calls waiting for its device).
         min_gain: The rebalancing threshold (``RebalanceConfig.min_gain``).
+        max_held_per_peer: Each stage server's cap on one trainer's held
+            micro-batches (``StageServerConfig.max_held_per_peer``).
+        step_interval: Seconds between a stage peer's hand-overs (its steps).
         announce_interval: Seconds between a stage peer's announcements.
         announce_ttl: Seconds an announcement lives.
         replicas: DHT replicas of each record (fewer: less traffic at scale).
@@ -150,8 +145,9 @@ class SwarmSimConfig:
     period_s: float = 60.0
     churn: float = 0.0
     rebalance: bool = True
-    queue_signal: str = "held"
     min_gain: float = 0.05
+    max_held_per_peer: int = 64
+    step_interval: float = 5.0
     announce_interval: float = 6.0
     announce_ttl: float = 20.0
     replicas: int = 3
@@ -164,7 +160,7 @@ class SwarmSimConfig:
             raise ConfigError("start must give every stage at least one peer")
         if not (math.isfinite(self.speed_spread) and self.speed_spread >= 1):
             raise ConfigError("speed_spread must be >= 1")
-        for name in ("compute_s", "period_s", "announce_interval", "announce_ttl"):
+        for name in ("compute_s", "period_s", "step_interval", "announce_interval", "announce_ttl"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be positive, got {value!r}")
@@ -172,8 +168,6 @@ class SwarmSimConfig:
             raise ConfigError("micro_batch, width and trainers must be >= 1, in_flight >= 0")
         if not 0 <= self.churn < 1:
             raise ConfigError("churn must be in [0, 1)")
-        if self.queue_signal not in ("held", "compute"):
-            raise ConfigError("queue_signal must be 'held' or 'compute'")
         if self.replicas < 1:
             raise ConfigError("replicas must be >= 1")
         if not self.links:
@@ -276,23 +270,121 @@ class _Host:
         await self.node.aclose()
 
 
-@dataclass
-class _Held:
-    x: torch.Tensor
-    y: torch.Tensor
-    stage: int
+class VirtualDevice:
+    """A stage server's device on the virtual clock: the compute runs at once on
+    the loop, then the call holds the device until ``min_compute_s`` virtual
+    seconds passed (the emulated speed; :class:`~p2ptrain.swarm.device.ThreadDevice`
+    does the same in wall-clock time in real processes)."""
+
+    def __init__(self, min_compute_s: float) -> None:
+        self.min_compute_s = min_compute_s
+        self._busy = asyncio.Lock()
+
+    def now(self) -> float:
+        """The loop's (virtual) time."""
+        return asyncio.get_running_loop().time()
+
+    async def run(self, compute: Callable[[], R], finish: Callable[[R], T]) -> tuple[T, float]:
+        """``finish(compute())`` after ``min_compute_s`` virtual seconds of the device."""
+        async with self._busy:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            result = compute()
+            await asyncio.sleep(self.min_compute_s)
+            return finish(result), loop.time() - started
+
+    async def idle(self) -> None:
+        """Wait for the running call."""
+        async with self._busy:
+            pass
+
+    def shutdown(self) -> None:
+        """Nothing to stop."""
 
 
-class SimStageServer:
-    """A stage peer with an emulated device, speaking the pipeline protocol.
+class LocalStageOptimizer:
+    """A stage's optimizer that steps alone at every hand-over (no averaging).
+
+    The simulator's stand-in for :class:`~p2ptrain.train.CollaborativeOptimizer`,
+    which is built on a :class:`~p2ptrain.peer.Peer` (a loop in its own thread)
+    and cannot run on the virtual clock. Every hand-over is a step holding
+    exactly the samples handed over, so the server's commit ledger and the
+    trainers' receipts run as in production (each commit is counted by the
+    next step, or lost when its server leaves).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        self._lock = threading.Lock()
+        self._step = 0
+        self._last: StepRecord | None = None
+
+    @property
+    def state_lock(self) -> threading.Lock:
+        """Held while the parameters change."""
+        return self._lock
+
+    @property
+    def global_step(self) -> int:
+        """Steps applied."""
+        return self._step
+
+    @property
+    def local_samples(self) -> int:
+        """Always 0: every hand-over steps."""
+        return 0
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """The latest step."""
+        return self._last
+
+    @property
+    def stats(self) -> TrainerStats:
+        """Its step count (it never downloads a state)."""
+        return TrainerStats(global_step=self._step)
+
+    def start(self) -> None:
+        """Nothing to join."""
+
+    def step(self, batch_size: int | None = None) -> bool:
+        """Step on the handed-over gradients if they hold samples."""
+        if not batch_size:
+            return False
+        with self._lock:
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+            self._last = StepRecord(self._step, batch_size, batch_size, None)
+            self._step += 1
+        return True
+
+    def close(self) -> None:
+        """Nothing to leave."""
+
+
+class _ServingPeer:
+    """What :class:`StageServer` and :class:`PipelineTrainer` use of a peer: node, DHT, address."""
+
+    running = True
+
+    def __init__(self, host: _Host) -> None:
+        self.node = host.node
+        self.dht = host.dht
+        self.address = host.address
+
+
+class SimStagePeer:
+    """A simulated host serving a stage with the production
+    :class:`~p2ptrain.swarm.server.StageServer` on a :class:`VirtualDevice`.
 
     Args:
         host: Its started host (node and DHT).
         model: The pipeline's model.
         stage: The stage it serves first.
-        compute_s: Virtual seconds it computes one micro-batch (forward plus backward).
+        compute_s: Virtual seconds it computes one micro-batch (half in the
+            forward, half in the backward, as ``min_compute_s`` emulates a device).
         run_id: The pipeline run.
-        config: The simulation (announcement timing).
+        config: The simulation (announcement and step timing).
     """
 
     def __init__(
@@ -306,20 +398,27 @@ class SimStageServer:
         config: SwarmSimConfig,
     ) -> None:
         self.host = host
-        self.model = model
-        self.stage = stage
         self.compute_s = compute_s
-        self.run_id = run_id
         self._config = config
-        self.module = model.build_stage(stage)
-        self._busy = asyncio.Lock()
-        self._held: dict[tuple[PeerID, bytes], _Held] = {}
-        self._rate = MovingAverage()  # samples/s, as the real server measures it
-        self._moving = False
-        self.samples_committed = 0
-        self.busy_s = 0.0
-        self._waiting = 0
-        self.moves = 0
+        self.server = StageServer(
+            peer=cast("Peer", _ServingPeer(host)),
+            model=model,
+            stage=stage,
+            make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+            config=StageServerConfig(
+                run_id=run_id,
+                target_batch_size=1 << 30,
+                min_compute_s=compute_s / 2,
+                hold_timeout=60 * config.compute_s,  # as the trainers' call timeout
+                max_held_per_peer=config.max_held_per_peer,
+                step_interval=config.step_interval,
+                handover_samples=1,  # hand over at every step_interval (virtual time)
+                announce_interval=config.announce_interval,
+                announce_ttl=config.announce_ttl,
+            ),
+            device=VirtualDevice(compute_s / 2),
+            stage_optimizer=lambda optimizer, _module, _config: LocalStageOptimizer(optimizer),
+        )
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -328,133 +427,42 @@ class SimStageServer:
         return self._config.micro_batch / self.compute_s
 
     @property
-    def queue_length(self) -> int:
-        """The queue it announces (see ``SwarmSimConfig.queue_signal``)."""
-        if self._config.queue_signal == "compute":
-            return self._waiting
-        return len(self._held)
+    def stage(self) -> int:
+        """The stage it serves now."""
+        return self.server.stage
+
+    @property
+    def moves(self) -> int:
+        """Its moves between stages."""
+        return self.server.stats.moves
 
     @property
     def peer(self) -> str:
         """Its id as the rebalancing policy names it."""
         return str(self.host.node.peer_id)
 
-    def start(self) -> None:
-        handlers = self.host.node.handlers
-        handlers.add_unary(FORWARD_METHOD, self._forward)
-        handlers.add_unary(BACKWARD_METHOD, self._backward)
-        handlers.add_unary(RELEASE_METHOD, self._release)
-        loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._announce_loop()))
+    async def start(self) -> None:
+        """Build the stage, serve and announce."""
+        await self.server.astart()
 
     def add_task(self, task: asyncio.Task[None]) -> None:
         """Own ``task`` (cancelled on :meth:`aclose`)."""
         self._tasks.append(task)
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, abrupt: bool = False) -> None:
+        """Stop; ``abrupt``: its host is already cut off (a crash), skip the clean close."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await (self.server.abort() if abrupt else self.server.aclose())
         await self.host.aclose()
-
-    async def move_to(self, stage: int) -> None:
-        """Leave the current stage for ``stage``: drop held work, withdraw, announce anew."""
-        if stage == self.stage or self._moving:
-            return
-        dht = self._dht()
-        self._moving = True
-        try:
-            self._held.clear()
-            with contextlib.suppress(P2PTrainError):
-                await withdraw(dht, self.run_id, self.stage, ttl=self._config.announce_ttl)
-            async with self._busy:
-                self.module = self.model.build_stage(stage)
-                self.stage = stage
-            self.moves += 1
-        finally:
-            self._moving = False
-        await self._announce()
 
     async def read_loads(self) -> list[PeerLoad]:
         """Every stage's announced peers, as the rebalancing policy reads them."""
-        return await read_loads(self._dht(), self.run_id, self._config.stages)
-
-    def _dht(self) -> DHT:
-        if self.host.dht is None:
+        dht = self.host.dht
+        if dht is None:
             raise RuntimeError("the host is not started")
-        return self.host.dht
-
-    async def _announce_loop(self) -> None:
-        while True:
-            await self._announce()
-            await asyncio.sleep(self._config.announce_interval)
-
-    async def _announce(self) -> None:
-        if self._moving:
-            return
-        try:
-            await announce(
-                self._dht(),
-                self.run_id,
-                self.stage,
-                address=self.host.address,
-                samples_per_s=self._rate.value or 0.0,
-                queue=self.queue_length,
-                step=0,
-                ttl=self._config.announce_ttl,
-            )
-        except P2PTrainError as exc:
-            logger.debug("announce failed: %s", exc)
-
-    def _check(self, message: Message, key: str) -> tuple[StageRequest, torch.Tensor]:
-        request = parse_request(message.body, message.payload, tensor_key=key, max_bytes=64 << 20)
-        if request.run != self.run_id:
-            raise InvalidArgumentError(f"this peer serves run {self.run_id!r}")
-        if self._moving or request.stage != self.stage:
-            raise UnavailableError(f"this peer serves stage {self.stage}, not {request.stage}")
-        if request.tensor is None:
-            raise InvalidArgumentError(f"the request carries no {key!r} tensor")
-        return request, request.tensor
-
-    async def _forward(self, ctx: CallContext, message: Message) -> Message:
-        request, tensor = self._check(message, "x")
-        stage = request.stage
-        x = tensor.detach().requires_grad_(True)
-        self._waiting += 1
-        async with self._busy:
-            self._waiting -= 1
-            if self.stage != stage:
-                raise UnavailableError("this peer moved to another stage")
-            with torch.enable_grad():
-                y = self.module(x)
-            await asyncio.sleep(self.compute_s * _FORWARD_SHARE)  # the emulated device
-            self.busy_s += self.compute_s * _FORWARD_SHARE
-        self._held[(ctx.peer, request.mb)] = _Held(x, y, stage)
-        header, view = encode_for_wire(y, "float32")
-        return Message({"y": header}, view)
-
-    async def _backward(self, ctx: CallContext, message: Message) -> Message:
-        request, grad_y = self._check(message, "g")
-        held = self._held.pop((ctx.peer, request.mb), None)
-        if held is None or held.stage != request.stage:
-            raise InvalidArgumentError("no forward of this micro-batch is held here")
-        self._waiting += 1
-        async with self._busy:
-            self._waiting -= 1
-            if self.stage != request.stage:
-                raise UnavailableError("this peer moved to another stage")
-            (grad_x,) = torch.autograd.grad(held.y, [held.x], grad_y)
-            await asyncio.sleep(self.compute_s * (1 - _FORWARD_SHARE))
-            self.busy_s += self.compute_s * (1 - _FORWARD_SHARE)
-        self.samples_committed += request.samples
-        self._rate.update(request.samples / self.compute_s, 0.2)
-        header, view = encode_for_wire(grad_x, "float32")
-        return Message({"g": header}, view)
-
-    async def _release(self, ctx: CallContext, message: Message) -> Message:
-        request = parse_request(message.body, message.payload, tensor_key=None, max_bytes=0)
-        self._held.pop((ctx.peer, request.mb), None)
-        return Message({})
+        return await read_loads(dht, self.server.config.run_id, self._config.stages)
 
 
 async def read_loads(dht: DHT, run_id: str, stages: int) -> list[PeerLoad]:
@@ -466,23 +474,6 @@ async def read_loads(dht: DHT, run_id: str, stages: int) -> list[PeerLoad]:
             load = PeerLoad(str(a.peer_id), a.stage, a.samples_per_s, a.queue)
             loads[load.peer] = load  # a peer that just moved may linger under its old stage
     return list(loads.values())
-
-
-class _TrainerPeer:
-    """What :class:`PipelineTrainer` uses of a peer: its node and DHT."""
-
-    def __init__(self, host: _Host) -> None:
-        self.node = host.node
-        self.dht = host.dht
-
-
-@dataclass
-class _Counters:
-    delivered: int = 0
-    retries: int = 0
-    moves: int = 0
-    killed: int = 0
-    losses: list[float] = field(default_factory=list)
 
 
 class SwarmSimulation:
@@ -498,7 +489,7 @@ class SwarmSimulation:
         self.model = PipelineModel.even(
             [lambda: nn.Linear(width, width)] * config.stages, config.stages, seed=config.seed
         )
-        self.servers: list[SimStageServer] = []
+        self.servers: list[SimStagePeer] = []
         self.trainers: list[PipelineTrainer] = []
         self._bootstrap: _Host | None = None
         self._trainer_hosts: list[_Host] = []
@@ -543,7 +534,7 @@ class SwarmSimulation:
             await host.start([self._bootstrap.address])
             self._trainer_hosts.append(host)
             trainer = PipelineTrainer(
-                peer=cast("Peer", _TrainerPeer(host)),
+                peer=cast("Peer", _ServingPeer(host)),
                 config=PipelineTrainerConfig(
                     run_id=self.RUN_ID,
                     num_stages=cfg.stages,
@@ -561,12 +552,12 @@ class SwarmSimulation:
             trainer = self.trainers[i % len(self.trainers)]
             self._workers.append(loop.create_task(self._work(trainer)))
 
-    async def _start_server(self, stage: int) -> SimStageServer:
+    async def _start_server(self, stage: int) -> SimStagePeer:
         if self._bootstrap is None:
             raise RuntimeError("not started")
         host = self._new_host()
         await host.start([self._bootstrap.address])
-        server = SimStageServer(
+        server = SimStagePeer(
             host=host,
             model=self.model,
             stage=stage,
@@ -574,8 +565,7 @@ class SwarmSimulation:
             run_id=self.RUN_ID,
             config=self.config,
         )
-        server._rate.update(server.speed, 1.0)  # a started server measured its device once
-        server.start()
+        await server.start()
         if self.config.rebalance:
             rebalancer = Rebalancer(
                 me=server.peer,
@@ -585,7 +575,7 @@ class SwarmSimulation:
                     min_gain=self.config.min_gain,
                 ),
                 read_loads=server.read_loads,
-                move_to=server.move_to,
+                move_to=server.server.move_to,
                 rng=random.Random(self.rng.randrange(1 << 30)),
             )
             server.add_task(asyncio.get_running_loop().create_task(rebalancer.run()))
@@ -612,11 +602,11 @@ class SwarmSimulation:
             hosts.append(self._bootstrap.aclose())
         await asyncio.gather(*hosts, return_exceptions=True)
 
-    async def _kill(self, server: SimStageServer, delay: float) -> None:
+    async def _kill(self, server: SimStagePeer, delay: float) -> None:
         await asyncio.sleep(delay)
         self.net.kill(server.host.host)
         self._dead_moves += server.moves
-        await server.aclose()
+        await server.aclose(abrupt=True)
 
     async def _join(self, delay: float) -> None:
         await asyncio.sleep(delay)

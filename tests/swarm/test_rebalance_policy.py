@@ -16,6 +16,7 @@ from p2ptrain.swarm.rebalance import (
     RebalanceConfig,
     Rebalancer,
     decide,
+    estimate_unmeasured,
     pipeline_throughput,
     plan_moves,
     stage_capacity,
@@ -204,3 +205,16 @@ async def test_the_loop_moves_through_its_callback_and_then_cools_down() -> None
         await second.wait()
     task.cancel()
     assert moved == [1, 1]
+
+
+def test_peers_still_unmeasured_count_at_the_median_and_draw_no_one() -> None:
+    # Stage 1's two peers finished no backward yet (they announce 0): read as they
+    # are, stage 1 looks unserved and the plan pulls peers to it; at the median, the
+    # split is already even and nobody moves.
+    loads = _loads([2, 2, 2], speeds=[1.0, 1.0, 0.0, 0.0, 1.0, 3.0])
+    config = RebalanceConfig(stages=3)
+    assert plan_moves(loads, config) != []
+    estimated = estimate_unmeasured(loads)
+    assert [load.throughput for load in estimated] == [1.0, 1.0, 1.0, 1.0, 1.0, 3.0]
+    assert plan_moves(estimated, config) == []
+    assert estimate_unmeasured(_loads([1, 1], speeds=[0.0])) == _loads([1, 1], speeds=[0.0])

@@ -68,4 +68,4 @@ def test_bad_configs_are_refused() -> None:
     with pytest.raises(ConfigError):
         SwarmSimConfig(speed_spread=0.5)
     with pytest.raises(ConfigError):
-        SwarmSimConfig(queue_signal="nope")
+        SwarmSimConfig(step_interval=0.0)

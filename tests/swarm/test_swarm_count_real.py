@@ -1,0 +1,135 @@
+"""Exactly one count per micro-batch through real processes, over five kill -9 of stage peers."""
+
+from __future__ import annotations
+
+import collections
+import json
+import queue
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORKER = str(Path(__file__).parent.parent / "swarm_count_worker.py")
+KILLS = 5
+
+
+class _Worker:
+    """A process of ``swarm_count_worker.py``; its JSON lines kept in order."""
+
+    def __init__(self, stage: int | None, *args: str) -> None:
+        self.stage = stage
+        self.process = subprocess.Popen(
+            [sys.executable, WORKER, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.events: list[dict[str, Any]] = []
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._stderr: collections.deque[str] = collections.deque(maxlen=100)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                event = json.loads(line)
+                self.events.append(event)
+                self._queue.put(event)
+        self._queue.put(None)
+
+    def _drain(self) -> None:
+        assert self.process.stderr is not None
+        self._stderr.extend(self.process.stderr)
+
+    def wait_for(self, key: str, deadline: float) -> dict[str, Any]:
+        while True:
+            try:
+                event = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                tail = "".join(self._stderr)[-1500:]
+                raise AssertionError(f"no {key!r} in time: {tail}") from None
+            if event is None:
+                raise AssertionError(f"exited before {key!r}: {''.join(self._stderr)[-1500:]}")
+            if key in event:
+                return event
+
+    def send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def kill(self) -> None:
+        """kill -9, then read what it printed before it died."""
+        self.process.kill()
+        self.process.wait()
+        self._reader.join(10)
+
+    def in_steps(self) -> int:
+        """Its samples in stage steps: the last figure it printed (a closed one adds its
+        hand-over, which the optimizer holds toward the next step)."""
+        for event in reversed(self.events):
+            if "closed" in event:
+                return int(event["in_steps"]) + int(event["local"])
+            if "stepped" in event:
+                return int(event["in_steps"])
+        return 0
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_samples_in_stage_steps_equal_samples_delivered_over_five_kills() -> None:
+    """Two stages, each with a keeper and victims (three and two); the five
+    victims are killed one after another at random moments, each after it
+    applied a stage step (so it holds averaged and unaveraged samples). All
+    start together: a restarted peer would cost a process start per kill."""
+    rng = random.Random(7)
+    started = time.monotonic()
+    deadline = started + 240
+    trainer = _Worker(None, "trainer")
+    workers: list[_Worker] = []
+    try:
+        address = trainer.wait_for("address", deadline)["address"]
+        stages = [0, 1] + [k % 2 for k in range(KILLS)]  # keepers, then the victims
+        workers = [_Worker(s, "server", address, str(s)) for s in stages]
+        for w in workers:
+            w.wait_for("ready", deadline)
+        trainer.send("go")
+        for victim in workers[2:]:
+            victim.wait_for("stepped", deadline)
+            time.sleep(rng.uniform(0.0, 0.5))
+            victim.kill()
+        trainer.send("stop")
+        done = trainer.wait_for("done", deadline)
+        live = [w for w in workers if w.process.poll() is None]
+        for w in live:
+            w.send("stop")
+        for w in live:
+            w.wait_for("closed", deadline)
+        counted = [sum(w.in_steps() for w in workers if w.stage == s) for s in (0, 1)]
+        took = time.monotonic() - started
+        print(
+            f"{took:.0f} s: delivered {done['delivered']}, in stage steps {counted},"
+            f" replayed {done['replayed']}, retries {done['retries']}"
+        )
+        assert len(live) == 2
+        assert done["replayed"] > 0  # the kills lost unaveraged samples, replayed elsewhere
+        per_worker = [(w.stage, w.process.returncode, w.in_steps()) for w in workers]
+        assert counted == [done["delivered"]] * 2, per_worker
+    finally:
+        for w in [trainer, *workers]:
+            w.stop()

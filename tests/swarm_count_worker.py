@@ -1,0 +1,127 @@
+"""One pipeline process of the exactly-once count test: a stage server or the trainer.
+
+    python tests/swarm_count_worker.py trainer
+    python tests/swarm_count_worker.py server JOIN STAGE
+
+Both print JSON lines. The trainer (the swarm's first DHT peer) prints
+``{"address"}``, pushes micro-batches (four in flight) from a line ``go`` on
+stdin until a line ``stop``, then settles (replays every pass known lost)
+and prints ``{"done", "delivered", "replayed", "retries"}``. A server prints
+``{"ready"}``, then ``{"stepped", "in_steps"}`` at once after each stage step
+it applies (``in_steps``: its samples in the steps it applied so far); on a
+line ``stop`` it closes (handing its last gradients to the optimizer) and
+prints ``{"closed", "in_steps", "local"}``. Each exits when its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch
+from swarm_peers import (
+    make_trainer,
+    mlp_model,
+    regression_batch,
+    server_config,
+    sgd,
+)
+from train_worker import FAST_MATCHMAKING, peer_config
+
+from p2ptrain.peer import Peer
+from p2ptrain.swarm import StageServer
+
+IN_FLIGHT = 4
+
+
+def _emit(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def _peer(join: tuple[str, ...]) -> Peer:
+    peer = Peer(replace(peer_config(join, FAST_MATCHMAKING), nat=None, probe_seconds=None))
+    peer.start()
+    return peer
+
+
+def _lines() -> tuple[threading.Event, threading.Event]:
+    """(``go`` read, ``stop`` read or stdin closed)."""
+    go, stop = threading.Event(), threading.Event()
+
+    def read() -> None:
+        for line in sys.stdin:
+            (go if line.strip() == "go" else stop).set()
+        stop.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return go, stop
+
+
+def train() -> None:
+    peer = _peer(())
+    trainer = make_trainer(
+        peer, refresh_interval=0.2, avoid_s=0.5, gone_after=1.0, call_timeout=3.0
+    )
+    _emit(address=peer.address)
+    go, stop = _lines()
+    go.wait()
+    counter = iter(range(1 << 40))
+
+    async def lane() -> None:
+        while not stop.is_set():
+            await trainer.train_micro_batch(*regression_batch(next(counter), rows=8))
+
+    lanes = [peer.submit(lane()) for _ in range(IN_FLIGHT)]
+    for future in lanes:
+        future.result()
+    peer.run(trainer.settle(), timeout=120)
+    stats = trainer.stats
+    _emit(
+        done=True,
+        delivered=stats.samples_delivered,
+        replayed=stats.replayed_samples,
+        retries=stats.retries,
+    )
+    trainer.close()
+    sys.stdin.read()
+    peer.close()
+
+
+def serve(join: str, stage: int) -> None:
+    peer = _peer((join,))
+    config = server_config(
+        target_batch_size=96, announce_ttl=1.5, announce_interval=0.2, min_compute_s=0.005
+    )
+    server = StageServer(
+        peer=peer, model=mlp_model(), stage=stage, make_optimizer=sgd, config=config
+    )
+
+    def on_event(event: str, _stage: int) -> None:
+        if event == "stepped":
+            _emit(stepped=server.global_step, in_steps=server.stats.samples_in_steps)
+
+    server.on_event = on_event
+    _, stop = _lines()
+    server.start()
+    _emit(ready=True)
+    stop.wait()
+    server.close()
+    _emit(closed=True, in_steps=server.stats.samples_in_steps, local=server.optimizer.local_samples)
+    peer.close()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    if sys.argv[1] == "trainer":
+        train()
+    else:
+        serve(sys.argv[2], int(sys.argv[3]))
+
+
+if __name__ == "__main__":
+    main()
