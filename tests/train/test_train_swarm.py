@@ -154,22 +154,30 @@ def test_a_late_joiner_downloads_the_exact_state_and_joins_the_next_step(
         assert_same_parameters(model, single)
 
 
-def test_a_peer_two_steps_behind_downloads_the_state_at_its_next_step() -> None:
-    # The idle peer is expected in every group: a short window bounds the wait for it.
+def three_bounded_trainers(
+    run_id: str, target: int
+) -> tuple[list[Peer], list[nn.Module], list[CollaborativeOptimizer]]:
+    """Three started trainers, one batch per peer per step, with a short window
+    (a peer that does not come is expected in the group: the window bounds the wait)."""
     swarm = start_peers(3, matchmaking=dataclasses.replace(FAST_MATCHMAKING, window=0.5))
     config = TrainerConfig(
-        run_id="straggler",
-        target_batch_size=2 * BATCH,
+        run_id=run_id,
+        target_batch_size=target,
         max_local_samples_per_step=BATCH,
         progress=FAST_PROGRESS,
     )
     models = [make_model(0) for _ in range(3)]
     opts = [
         CollaborativeOptimizer(make_inner(m), peer=p, config=config)
-        for m, p in zip(models, swarm, strict=False)
+        for m, p in zip(models, swarm, strict=True)
     ]
     for opt in opts:
         opt.start()
+    return swarm, models, opts
+
+
+def test_a_peer_two_steps_behind_downloads_the_state_at_its_next_step() -> None:
+    swarm, models, opts = three_bounded_trainers("straggler", 2 * BATCH)
     try:
         # Two peers step twice while the third computes nothing.
         in_threads(
@@ -198,20 +206,7 @@ def test_a_peer_left_out_of_the_group_takes_the_swarms_step_and_keeps_its_sample
     when its batch ended after their window) waits for them to finish the
     step, downloads the result, and counts its samples toward the next step:
     its parameters never leave the swarm's, and its samples are not lost."""
-    swarm = start_peers(3, matchmaking=dataclasses.replace(FAST_MATCHMAKING, window=0.5))
-    config = TrainerConfig(
-        run_id="left-out",
-        target_batch_size=3 * BATCH,
-        max_local_samples_per_step=BATCH,
-        progress=FAST_PROGRESS,
-    )
-    models = [make_model(0) for _ in range(3)]
-    opts = [
-        CollaborativeOptimizer(make_inner(m), peer=p, config=config)
-        for m, p in zip(models, swarm, strict=True)
-    ]
-    for opt in opts:
-        opt.start()
+    swarm, models, opts = three_bounded_trainers("left-out", 3 * BATCH)
     try:
         assert all(opt.wait_for_peers(3, 20.0) for opt in opts)
         averager = opts[2]._collaboration._averager
