@@ -41,19 +41,18 @@ raises :class:`LoadBalancingError`, an
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 import logging
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
+import cvxpy as cp
 import numpy as np
+from cvxpy.atoms.affine.binary_operators import multiply
+from cvxpy.atoms.affine.sum import sum as cp_sum
 
 from p2ptrain.allreduce.partition import (
     FloatArray,
@@ -88,37 +87,7 @@ _SOLVER_OPTIONS: dict[str, dict[str, Any]] = {
     "SCS": {"eps_abs": 1e-9, "eps_rel": 1e-9, "max_iters": 100_000},
     "OSQP": {"eps_abs": 1e-9, "eps_rel": 1e-9, "polishing": True, "max_iter": 100_000},
 }
-_OPTIMAL, _OPTIMAL_INACCURATE = "optimal", "optimal_inaccurate"  # cvxpy's status names
-_ACCEPTED_STATUSES = (_OPTIMAL, _OPTIMAL_INACCURATE)
-_SOLVER_MODULES = {
-    "CLARABEL": "clarabel",
-    "SCS": "scs",
-    "OSQP": "osqp",
-    "HIGHS": "highspy",
-    "SCIPY": "scipy",
-    "ECOS": "ecos",
-}
-"""The Python package behind each common cvxpy solver (found without importing cvxpy)."""
-
-
-@functools.cache
-def _cvxpy() -> ModuleType:
-    """cvxpy (imported with this module, see below)."""
-    return importlib.import_module("cvxpy")
-
-
-# Imported now, not at the first LP: importing cvxpy takes 1-6 s on 2 loaded
-# cores, and the first LP is on a matchmaking leader's critical path (its
-# members wait ``plan_timeout`` for the plan). It costs some 80 MB per process.
-_cvxpy()
-
-
-def _solver_installed(solver: str) -> bool:
-    """Whether cvxpy and ``solver`` are installed; imports cvxpy only for a rare solver."""
-    module = _SOLVER_MODULES.get(solver)
-    if module is not None:
-        return all(importlib.util.find_spec(m) is not None for m in ("cvxpy", module))
-    return solver in _cvxpy().installed_solvers()
+_ACCEPTED_STATUSES = (cp.OPTIMAL, cp.OPTIMAL_INACCURATE)
 
 
 class LoadBalancingError(AllReduceError):
@@ -162,8 +131,12 @@ class LoadBalancerConfig:
     max_cached_sizes: int = 32
 
     def __post_init__(self) -> None:
-        if not isinstance(self.solver, str) or not _solver_installed(self.solver):
-            raise ConfigError(f"solver must name an installed cvxpy solver, got {self.solver!r}")
+        installed = cp.installed_solvers()  # type: ignore[no-untyped-call]
+        if not isinstance(self.solver, str) or self.solver not in installed:
+            raise ConfigError(
+                f"solver must name an installed cvxpy solver {sorted(installed)}, "
+                f"got {self.solver!r}"
+            )
         tol = self.tie_tolerance
         if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 <= tol < 0.1:
             raise ConfigError(f"tie_tolerance must be a number in [0, 0.1), got {tol!r}")
@@ -332,7 +305,6 @@ class _RoundTimeLP:
     """The stage-one LP for one group size, parametrised so that it is DPP."""
 
     def __init__(self, size: int) -> None:
-        cp = _cvxpy()
         self.up_slope = cp.Parameter(size)
         self.up_offset = cp.Parameter(size)
         self.down_slope = cp.Parameter(size)
@@ -343,9 +315,9 @@ class _RoundTimeLP:
         self.problem = cp.Problem(
             cp.Minimize(self.time),
             [
-                cp.multiply(self.up_slope, self.shares) + self.up_offset <= self.time,
-                cp.multiply(self.down_slope, self.shares) + self.down_offset <= self.time,
-                cp.sum(self.shares) == 1,
+                multiply(self.up_slope, self.shares) + self.up_offset <= self.time,
+                multiply(self.down_slope, self.shares) + self.down_offset <= self.time,
+                cp_sum(self.shares) == 1,
                 self.shares <= self.cap,
             ],
         )
@@ -360,8 +332,10 @@ class _RoundTimeLP:
             # failed on badly scaled data after other solves), and the plan
             # should depend on its inputs only.
             options = _SOLVER_OPTIONS.get(solver, {})
-            self.problem.solve(solver=solver, warm_start=False, enforce_dpp=True, **options)
-        except _cvxpy().error.SolverError as exc:
+            self.problem.solve(  # type: ignore[no-untyped-call]
+                solver=solver, warm_start=False, enforce_dpp=True, **options
+            )
+        except cp.error.SolverError as exc:
             raise LoadBalancingError(
                 f"load-balancing LP failed in {solver}: {exc}", solver=solver, status=None
             ) from exc
@@ -372,7 +346,7 @@ class _RoundTimeLP:
                 solver=solver,
                 status=status,
             )
-        if status == _OPTIMAL_INACCURATE:
+        if status == cp.OPTIMAL_INACCURATE:
             logger.warning("load-balancing LP in %s is only approximately optimal", solver)
         raw = self.shares.value
         shares = None if raw is None else np.clip(np.asarray(raw, dtype=np.float64), 0.0, cap)
