@@ -83,22 +83,34 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _corpus_and_model() -> tuple[Any, Any, Any, Any]:
+def _corpus_and_model(job: dict[str, Any] | None = None) -> tuple[Any, Any, Any, Any]:
+    """The charlm model (``job``'s shape and device, else the example's on the CPU), its
+    optimizer, the corpus sampler, and a loss that moves each batch to the model's device."""
     import torch
 
     from p2ptrain.examples.charlm.data import load_corpus
     from p2ptrain.examples.charlm.model import ModelConfig, loss, make_model, make_optimizer
 
     torch.set_num_threads(1)
-    config = ModelConfig()
-    model = make_model(config)
+    job = job or {}
+    shape = {k: job[n] for k, n in _SHAPE.items() if job.get(n) is not None}
+    config = ModelConfig(**shape)
+    device = torch.device(job.get("device", "cpu"))
+    model = make_model(config).to(device)
     sampler = load_corpus().sampler(seq_len=config.context, seed=0)
-    return model, make_optimizer(model), sampler, loss
+
+    def device_loss(model: Any, batch: Any) -> Any:
+        return loss(model, batch.to(device, non_blocking=True))
+
+    return model, make_optimizer(model), sampler, device_loss
+
+
+_SHAPE = {"d_model": "width", "n_layers": "layers", "n_heads": "heads"}
 
 
 def run_single(job: dict[str, Any]) -> dict[str, Any]:
     """One process training alone."""
-    model, inner, sampler, loss = _corpus_and_model()
+    model, inner, sampler, loss = _corpus_and_model(job)
     started = time.perf_counter()
     last = 0.0
     for step in range(job["batches"]):
@@ -125,7 +137,7 @@ def run_peer(job: dict[str, Any]) -> dict[str, Any]:
     )
     from p2ptrain.train.base import SwarmTrainer
 
-    model, inner, sampler, loss = _corpus_and_model()
+    model, inner, sampler, loss = _corpus_and_model(job)
     progress = ProgressConfig(
         publish_interval=0.2,
         heartbeat_interval=1.0,
@@ -146,12 +158,12 @@ def run_peer(job: dict[str, Any]) -> dict[str, Any]:
             config = DiLoCoConfig(
                 run_id="bench-diloco", inner_steps=job["inner_steps"], progress=progress
             )
-            trainer = DiLoCoOptimizer(inner, peer=peer, config=config)
+            trainer = DiLoCoOptimizer(inner, peer=peer, config=config, model=model)
         else:
             cfg = TrainerConfig(
                 run_id="bench-plain", target_batch_size=job["target"], progress=progress
             )
-            trainer = CollaborativeOptimizer(inner, peer=peer, config=cfg)
+            trainer = CollaborativeOptimizer(inner, peer=peer, config=cfg, model=model)
         shard, shards, batch = job["shard"], job["peers"], job["batch"]
         started = time.perf_counter()
         local, last = 0, 0.0
@@ -366,6 +378,16 @@ def worker_main(job: dict[str, Any]) -> None:
 # -- the parent -----------------------------------------------------------------------------
 
 
+def model_job(args: argparse.Namespace) -> dict[str, Any]:
+    """The model's shape and device, as the default mode's workers read them."""
+    return {
+        "device": args.device,
+        "width": args.width,
+        "layers": args.layers,
+        "heads": args.heads,
+    }
+
+
 class Child(JsonChild):
     """A ``--worker`` process of this script."""
 
@@ -383,6 +405,7 @@ def run_swarm(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
         "target": args.peers * args.batch * args.batches_per_step,
         "inner_steps": args.inner_steps,
         "goal": goal,
+        **model_job(args),
     }
     return start_swarm(base, args.peers, START_TIMEOUT + 60.0 * goal)
 
@@ -773,12 +796,21 @@ def main() -> None:
         action="store_true",
         help="only the swarm runs' samples per step, no loss or no-cut comparison (--equivalence)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of every worker's model in the default mode (cpu, cuda, cuda:N); "
+        "--width/--layers/--heads set its shape",
+    )
     add_wan_arguments(parser)
     args = parser.parse_args()
     if args.worker is not None:
         worker_main(json.loads(args.worker))
         return
     if args.wan:
+        for name, default in (("width", 192), ("layers", 4), ("heads", 6)):
+            if getattr(args, name) is None:
+                setattr(args, name, default)
         run_wan(args)
         return
     for name, default in (
@@ -794,7 +826,9 @@ def main() -> None:
         equivalence(args)
         return
 
-    single_child = Child({"mode": "single", "batch": args.batch, "batches": args.single_batches})
+    single_child = Child(
+        {"mode": "single", "batch": args.batch, "batches": args.single_batches, **model_job(args)}
+    )
     try:
         single = single_child.wait_for("result", START_TIMEOUT + 10.0 * args.single_batches)
     finally:
@@ -820,7 +854,8 @@ def main() -> None:
             ]
         )
     print(
-        f"charlm, batch {args.batch} per peer, {os.cpu_count()} cores; plain: target "
+        f"charlm, batch {args.batch} per peer, {os.cpu_count()} cores, device {args.device}"
+        f"{_gpu_name(args.device)}, model {model_shape(args)}; plain: target "
         f"{args.peers * args.batch * args.batches_per_step}; DiLoCo: H = {args.inner_steps}"
     )
     print(
@@ -851,8 +886,28 @@ def main() -> None:
             "diloco": diloco,
             "peers": args.peers,
             "cores": os.cpu_count(),
+            "device": args.device + _gpu_name(args.device),
+            "model": model_shape(args),
         }
     )
+
+
+def model_shape(args: argparse.Namespace) -> str:
+    """The default mode's charlm shape and size, e.g. ``d_model 128, 2 layers, 0.43M params``."""
+    from p2ptrain.examples.charlm.model import ModelConfig, make_model
+
+    config = ModelConfig(**{k: getattr(args, n) for k, n in _SHAPE.items() if getattr(args, n)})
+    params = sum(p.numel() for p in make_model(config).parameters())
+    return f"d_model {config.d_model}, {config.n_layers} layers, {params / 1e6:.2f}M params"
+
+
+def _gpu_name(device: str) -> str:
+    """`` (NAME)`` of a CUDA device, else nothing."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return ""
+    return f" ({torch.cuda.get_device_name(torch.device(device))})"
 
 
 if __name__ == "__main__":

@@ -91,9 +91,15 @@ def add_wan_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--up-mbit", type=float, default=50.0, help="upload of every home link")
     group.add_argument("--down-mbit", type=float, default=100.0, help="download of every link")
     group.add_argument("--rtt-ms", type=float, default=20.0, help="round trip between two peers")
-    group.add_argument("--width", type=int, default=192, help="charlm d_model (--wan)")
-    group.add_argument("--layers", type=int, default=4, help="charlm blocks (--wan)")
-    group.add_argument("--heads", type=int, default=6, help="charlm attention heads (--wan)")
+    group.add_argument(
+        "--width", type=int, help="charlm d_model (default 192 with --wan, else the example's 128)"
+    )
+    group.add_argument(
+        "--layers", type=int, help="charlm blocks (default 4 with --wan, else the example's 2)"
+    )
+    group.add_argument(
+        "--heads", type=int, help="attention heads (default 6 with --wan, else the example's 4)"
+    )
     group.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (--wan)")
     group.add_argument(
         "--warmup", type=int, default=5, help="global steps of linear lr warm-up (--wan)"

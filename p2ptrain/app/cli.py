@@ -304,6 +304,12 @@ def _add_step_flags(train: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--torch-threads", type=int, help="torch threads for training (default: all cores)"
     )
+    train.add_argument(
+        "--device",
+        default="auto",
+        help="where the model trains: auto (CUDA where available, else the CPU), cpu, cuda, "
+        "cuda:N (default auto)",
+    )
     train.add_argument("--save", metavar="PATH", help="write the final model's state_dict here")
     train.add_argument(
         "--checkpoint",
@@ -636,6 +642,7 @@ def _run_train(args: argparse.Namespace) -> int:
         nat=_train_nat_config(args),
         task=args.task,
         torch_threads=args.torch_threads,
+        device=args.device,
         save_path=args.save,
         checkpoint_path=args.checkpoint,
         checkpoint_interval=args.checkpoint_every,

@@ -88,6 +88,9 @@ class TrainingSessionConfig:
         task: The task module (``None``: charlm).
         torch_threads: ``torch.set_num_threads`` for training, or ``None``
             for torch's default (all cores).
+        device: Where the model trains: ``auto`` (CUDA where this machine
+            has it, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``. The task
+            builds its model and batches on the CPU; the session moves both.
         save_path: Write the final model's ``state_dict`` here (``torch.save``).
         checkpoint_path: Resume from this checkpoint if it exists, and write
             the whole training state to it every ``checkpoint_interval``
@@ -128,6 +131,7 @@ class TrainingSessionConfig:
     nat: NATConfig | None = None
     task: str | None = None
     torch_threads: int | None = None
+    device: str = "auto"
     save_path: str | None = None
     checkpoint_path: str | None = None
     checkpoint_interval: float = 60.0
@@ -162,6 +166,8 @@ class TrainingSessionConfig:
         if self.task is not None and (not isinstance(self.task, str) or not self.task):
             raise ConfigError(f"{owner}.task must be a module name or a .py path")
         check_integer(f"{owner}.torch_threads", self.torch_threads, at_least=1, allow_none=True)
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError(f"{owner}.device must be auto, cpu, cuda or cuda:N")
         check_integer(
             f"{owner}.diloco_inner_steps", self.diloco_inner_steps, at_least=1, allow_none=True
         )
@@ -295,6 +301,7 @@ def run_training_peer(
     import torch  # noqa: PLC0415 - slow import, only for training
 
     from p2ptrain.app.collectors import dht_collector, nat_collector, node_collector  # noqa: PLC0415
+    from p2ptrain.app.device import training_device  # noqa: PLC0415 - imports torch
     from p2ptrain.app.task import load_task  # noqa: PLC0415 - imports torch
     from p2ptrain.metrics import MetricsServer  # noqa: PLC0415
     from p2ptrain.peer import Peer  # noqa: PLC0415
@@ -305,10 +312,12 @@ def run_training_peer(
     torch.manual_seed(_seed(config.run_id))
     task = load_task(config.task)
     torch.manual_seed(_seed(os.urandom(16).hex()))
+    device = training_device(config.device)
+    task.model.to(device)  # in place: the task's optimizer keeps its parameters
     emit = log or (lambda event: None)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    run = _Run(config, task, emit=emit, screen=_Display(display))
+    run = _Run(config, task, emit=emit, screen=_Display(display), device=device)
     with Peer(_peer_config(config)) as peer:
         run.metrics.add_collector(node_collector(peer.node))
         run.metrics.add_collector(dht_collector(peer.dht.dht_node))
@@ -422,12 +431,14 @@ class _Run:
         *,
         emit: Callable[[dict[str, Any]], None],
         screen: _Display,
+        device: torch.device,
     ) -> None:
         from p2ptrain.app.task import lr_schedule  # noqa: PLC0415 - imports torch
         from p2ptrain.metrics import Metrics  # noqa: PLC0415
 
         self.config = config
         self.task = task
+        self.device = device
         self.emit = emit
         self.screen = screen
         self.metrics = Metrics()
@@ -452,6 +463,7 @@ class _Run:
                 "upload_mbit": config.upload_mbit,
                 "download_mbit": config.download_mbit,
                 "metrics_port": metrics_port,
+                "device": str(self.device),
                 **_digest(config, self.task.model),  # the task's initial parameters
             }
         )
@@ -500,10 +512,13 @@ class _Run:
 
     def _step(self, trainer: SwarmTrainer) -> None:
         """One local batch: forward, backward, and the trainer's step."""
+        from p2ptrain.app.device import to_device  # noqa: PLC0415 - imports torch
+
         batch_size = self.config.batch_size
         self.schedule(trainer.global_step)
-        batch = self.task.batch(
-            self.local, batch_size, shard=self.shard, num_shards=self.num_shards
+        batch = to_device(
+            self.task.batch(self.local, batch_size, shard=self.shard, num_shards=self.num_shards),
+            self.device,
         )
         value = self.task.loss(batch)
         value.backward()  # type: ignore[no-untyped-call]  # torch stubs leave it untyped
