@@ -208,7 +208,8 @@ class ButterflyRound:
         self._arriving = 0
         self._arriving_since = 0.0
         self._download_s = 0.0
-        # Per partner, each stream timed where it arrives: results from
+        # Per partner, each stream timed where it arrives (perf_counter, like
+        # the durations above): results from
         # reducer j here, parts from sender i here, and what the other ends
         # timed of this member's streams (parts at j, results at i).
         self._results_in = {j: ArrivalTimer() for j in self._received}
@@ -307,7 +308,7 @@ class ButterflyRound:
                 self._results_read[j] = k + 1
                 self._payload_read(message.payload)
                 if _nbytes(message.payload):
-                    self._results_in[j].read(_nbytes(message.payload), self._loop.time())
+                    self._results_in[j].read(_nbytes(message.payload), time.perf_counter())
                 self._mark(self._recv_span)
                 result = parse_result(
                     message.body, num_chunks=len(chunks), group_size=self.plan.size
@@ -471,7 +472,7 @@ class ButterflyRound:
                 return
             self._payload_read(message.payload)
             if _nbytes(message.payload):
-                timer.read(_nbytes(message.payload), self._loop.time())
+                timer.read(_nbytes(message.payload), time.perf_counter())
             try:
                 ack = parse_timing(message.body)
                 if ack is not None:
@@ -619,18 +620,18 @@ class ButterflyRound:
 
     def _part_arriving(self, timer: ArrivalTimer, body: object, nbytes: int) -> None:
         self._payload_arriving()
-        timer.arriving(self._loop.time())
+        timer.arriving(time.perf_counter())
 
     def _payload_arriving(self) -> None:
         if self._arriving == 0:
-            self._arriving_since = self._loop.time()
+            self._arriving_since = time.perf_counter()
         self._arriving += 1
 
     def _payload_read(self, payload: bytes | bytearray | memoryview) -> None:
         if self._arriving > 0 and _nbytes(payload) > 0:
             self._arriving -= 1
             if self._arriving == 0:
-                self._download_s += self._loop.time() - self._arriving_since
+                self._download_s += time.perf_counter() - self._arriving_since
 
     def _mark(self, span: list[float]) -> None:
         now = self._loop.time()

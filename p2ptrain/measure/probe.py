@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Final, TypeGuard
 
@@ -168,11 +169,10 @@ def _is_end(body: object) -> bool:
 
 async def _receive_timed(stream: RPCStream) -> StreamTiming:
     """Read payload messages until ``{"end": true}``; their bytes and span where they arrived."""
-    loop = asyncio.get_running_loop()
     timer = ArrivalTimer()
 
     def arriving(body: object, nbytes: int) -> None:
-        timer.arriving(loop.time())
+        timer.arriving(time.perf_counter())
 
     stream.receive_payloads_into(arriving)
     try:
@@ -180,7 +180,7 @@ async def _receive_timed(stream: RPCStream) -> StreamTiming:
             message = await stream.recv()
             nbytes = len(memoryview(message.payload))
             if nbytes:
-                timer.read(nbytes, loop.time())
+                timer.read(nbytes, time.perf_counter())
             if timer.nbytes > MAX_TIMED_BYTES:
                 raise RemoteProtocolError(f"a timed probe carries at most {MAX_TIMED_BYTES} bytes")
             if _is_end(message.body):

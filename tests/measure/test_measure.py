@@ -55,6 +55,21 @@ def test_side_by_side_streams_combine_over_the_longest_span() -> None:
         StreamTiming(1, math.nan)
 
 
+def test_a_stream_read_in_one_gulp_does_not_set_the_estimate() -> None:
+    # A busy receiver finds a 1 MB stream already in its kernel buffer and reads
+    # it in a millisecond: that times a memory copy, not the link.
+    links = LinkEstimator()
+    links.record_upload(MB, 0.001)
+    assert links.upload_bytes_per_s is None and links.observations == (0, 0)
+    links.record_upload(MB, 0.2)  # a span the link set
+    assert links.upload_bytes_per_s == pytest.approx(5 * MB)
+    links.record_upload(MB, 0.001)
+    assert links.upload_bytes_per_s == pytest.approx(5 * MB)
+    assert combined_rate([StreamTiming(MB, 0.001)], min_bytes=0, min_seconds=0.02) is None
+    with pytest.raises(ConfigError, match="min_seconds"):
+        EstimatorConfig(min_seconds=-1.0)
+
+
 def test_by_default_the_estimate_is_the_maximum_seen() -> None:
     links = LinkEstimator(EstimatorConfig(min_bytes=0))
     links.record_upload(100 * MB, 1.0)
