@@ -148,8 +148,11 @@ class EstimatorConfig:
             receiver that was busy when a stream arrived finds it already in
             its kernel buffer and reads it at memory speed, so a short span
             times the copy, not the link (a 50 Mbit/s upload was announced as
-            3,196 Mbit/s from such spans on the 2-core shaped demo). The
-            probe, which sends for a set time, covers fast links.
+            3,196 Mbit/s from such spans on the 2-core shaped demo; 88 with
+            this bound). 0.1 s was tried: the shaped benchmark's 1 Gbit/s
+            peer then moved no stream that long, its estimate fell to the
+            loaded machine's probe (168 Mbit/s) and the measured plan ran 35 %
+            slower than the configured one.
         late_tolerance: A round whose achieved time exceeded its predicted
             time by more than this fraction replaces higher estimates with
             what it observed; >= 0.
