@@ -411,6 +411,7 @@ class Collaboration:
         published = self._tracker.local.samples_per_s
         own_rate = published if published > 0 else self._rate.value
         others_rate = max(0.0, view.samples_per_s - published)
+        others_rate += view.unstated_rate(step, exclude=self.peer.peer_id)
         per_batch = others_rate * batch / own_rate if own_rate > 0 else 0.0
         placement = place_batch(
             policy=policy,
@@ -420,6 +421,19 @@ class Collaboration:
             others=others,
             swarm_closed=swarm_closed,
             others_per_batch=per_batch,
+        )
+        logger.debug(
+            "cut step %d: own %d + batch %d, others %d (+%.1f per batch; %d records at the step,"
+            " %d without a rate), closed by others %s: %s",
+            step,
+            own,
+            batch,
+            others,
+            per_batch,
+            sum(1 for r in view.records if r.step == step),
+            sum(1 for r in view.records if r.step == step and r.samples_per_s <= 0),
+            swarm_closed,
+            placement,
         )
         if placement.close and not self._closed:
             self._closed = True

@@ -291,9 +291,14 @@ class SwarmProgress:
         progress into the batch it is computing too (the swarm's *work*, the
         unbiased measure the ``wait`` cut compares with the target; see
         :mod:`p2ptrain.train.cut`). A closed or blocked peer adds nothing
-        more, nor one that did not say its batch size or rate (before its
-        first batch: it may still be loading; its first record after that
-        batch says its rate).
+        more. A peer at ``step`` that did not say its batch size or rate yet
+        (before its first batch) counts as computing one batch at the
+        peers' typical rate and batch (:meth:`typical`) from its record's
+        time, at most that one batch: its first record with a rate comes
+        only after that batch, and counting such peers as idle made the
+        others add a batch each to the first step of a run (8 peers, target
+        256: 288-336 samples). A peer still loading its model is thus
+        counted early by at most one batch.
 
         A record one step behind (``step - 1``) counts what its peer added
         toward ``step`` since it most likely began it:
@@ -319,12 +324,15 @@ class SwarmProgress:
                 the next one before it applies the step (the ``carry`` policy).
         """
         total = 0.0
+        typical = self.typical()
         for r in self.records:
             if r.peer_id == exclude:
                 continue
             if r.batch <= 0 or r.samples_per_s <= 0:
                 if r.step == step:
                     total += r.samples
+                    if typical is not None and not (r.closed or r.blocked):
+                        total += _first_batch(r, typical, now - r.time, partial=partial)
                 continue
             if r.step == step:
                 total += r.samples
@@ -343,6 +351,35 @@ class SwarmProgress:
             if total >= _MAX_SAMPLES:
                 return _MAX_SAMPLES
         return min(math.floor(total), _MAX_SAMPLES)
+
+    def typical(self) -> tuple[float, float] | None:
+        """The mean samples/s and batch size of the live peers that stated both
+        (``None`` if none did): how a peer that has not stated them yet is
+        expected to compute."""
+        stated = [r for r in self.records if r.batch > 0 and r.samples_per_s > 0]
+        if not stated:
+            return None
+        count = len(stated)
+        return (
+            sum(r.samples_per_s for r in stated) / count,
+            sum(r.batch for r in stated) / count,
+        )
+
+    def unstated_rate(self, step: int, *, exclude: PeerID | None = None) -> float:
+        """The samples/s expected of the running peers at ``step`` that have not
+        stated a rate yet (each at the typical rate; 0 if no peer stated one)."""
+        typical = self.typical()
+        if typical is None:
+            return 0.0
+        count = sum(
+            1
+            for r in self.records
+            if r.step == step
+            and r.peer_id != exclude
+            and (r.batch <= 0 or r.samples_per_s <= 0)
+            and not (r.closed or r.blocked)
+        )
+        return count * typical[0]
 
     def expected_in_group(self, step: int, *, exclude: PeerID | None = None) -> int:
         """Live peers expected to join the group of ``step``.
@@ -369,6 +406,19 @@ def _computed(record: PeerProgress, seconds: float, *, partial: bool) -> float:
     if partial:
         return work
     return float(record.batch * math.floor(work / record.batch))
+
+
+def _first_batch(
+    record: PeerProgress, typical: tuple[float, float], seconds: float, *, partial: bool
+) -> float:
+    """Samples of its first batch that ``record``'s peer (no rate stated) computed in
+    ``seconds`` at the ``typical`` (rate, batch): the fraction done with ``partial``,
+    else the whole batch once it is due; never more than one batch."""
+    rate, batch = typical
+    work = min(batch, rate * max(0.0, seconds))
+    if partial:
+        return work
+    return batch if work >= batch else 0.0
 
 
 def aggregate(

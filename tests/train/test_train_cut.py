@@ -190,7 +190,9 @@ def test_carry_counts_at_most_carry_batches_toward_the_next_step_then_waits(
     carry_batches: int,
 ) -> None:
     """A peer whose step is averaging computes carry_batches batches more, then waits."""
-    batch, target = 4, 12  # the peer closes the step on its third batch
+    # The peer closes the step on its second batch: the partner, which states
+    # no batch size, counts as one batch at the peer's own rate once that is known.
+    batch, target = 4, 12
     # The partner is online at the same step (so the step averages in the
     # background) but never matchmakes: the group never forms.
     with peer_with_absent_partner(window=30.0, run_id="carry", target=target) as first:
@@ -211,9 +213,9 @@ def test_carry_counts_at_most_carry_batches_toward_the_next_step_then_waits(
                 calls += 1
             carried = trainer.carried_samples
     assert trainer.global_step == 0  # the average never came
-    # Three batches closed the step; then carry_batches batches were computed
+    # Two batches closed the step; then carry_batches batches were computed
     # while it averaged, and the next step() call waited until the stop time.
-    assert (calls, carried) == (3 + carry_batches, batch * carry_batches)
+    assert (calls, carried) == (2 + carry_batches, batch * carry_batches)
 
 
 # -- the swarm's estimate -------------------------------------------------------------------
@@ -224,11 +226,11 @@ def test_the_estimate_extrapolates_whole_batches_and_stops_at_closed_peers() -> 
         PeerProgress(IDS[0], 5, 32, 40.0, 100.0, batch=16),  # 0.75 s: 30 samples -> 1 batch
         PeerProgress(IDS[1], 5, 48, 40.0, 100.0, batch=16, closed=True),  # adds nothing more
         PeerProgress(IDS[2], 4, 80, 40.0, 100.0, batch=16),  # another step
-        PeerProgress(IDS[3], 5, 16, 40.0, 100.0),  # no batch size said: not extrapolated
+        PeerProgress(IDS[3], 5, 16, 40.0, 100.0),  # no batch size said: one typical batch
     ]
     view = aggregate(records, target_batch_size=256, now=100.75)
-    assert view.estimate_samples(5, exclude=None, now=100.75) == 32 + 16 + 48 + 16
-    assert view.estimate_samples(5, exclude=IDS[0], now=100.75) == 48 + 16
+    assert view.estimate_samples(5, exclude=None, now=100.75) == 32 + 16 + 48 + 16 + 16
+    assert view.estimate_samples(5, exclude=IDS[0], now=100.75) == 48 + 16 + 16
     assert view.estimate_samples(4, exclude=None, now=100.75) == 80 + 16
     assert (
         view.estimate_samples(4, exclude=None, now=101.25) == 80 + 16 * 3
@@ -239,6 +241,33 @@ def test_the_estimate_extrapolates_whole_batches_and_stops_at_closed_peers() -> 
     # 50 samples since it closed, 3 whole batches, as many as carry_batches allows.
     assert view.estimate_samples(6, exclude=None, now=101.25, carry_batches=5) == 48
     assert view.estimate_samples(6, exclude=None, now=101.25, carry_batches=2) == 32
+
+
+def test_a_peer_without_a_rate_counts_one_batch_at_the_typical_rate() -> None:
+    # The first step of a run: a peer whose first batch has not ended says no
+    # rate. Counted as idle, it made the others add a batch each (8 x 256: 288-336).
+    late = PeerProgress(IDS[3], 0, 0, 0.0, 100.0)  # started at t=100, no batch yet
+    records = [
+        PeerProgress(IDS[0], 0, 16, 30.0, 100.5, batch=16),
+        PeerProgress(IDS[1], 0, 16, 34.0, 100.5, batch=16),
+        late,
+    ]
+    view = aggregate(records, target_batch_size=256, now=100.25)
+    assert view.typical() == (32.0, 16.0)
+    assert view.unstated_rate(0) == 32.0
+    assert view.unstated_rate(0, exclude=IDS[3]) == 0.0
+    # 0.25 s at 32 samples/s: 8 samples of its first batch (whole batches: none yet).
+    assert view.estimate_samples(0, exclude=IDS[0], now=100.25, partial=True) == 16 + 8
+    assert view.estimate_samples(0, exclude=IDS[0], now=100.25) == 16
+    # Never more than that one batch, however long it takes (it may be loading).
+    pair = aggregate([records[0], late], target_batch_size=256, now=110.0)
+    assert pair.estimate_samples(0, exclude=IDS[0], now=100.25, partial=True) == 7  # 30/s
+    assert pair.estimate_samples(0, exclude=IDS[0], now=110.0, partial=True) == 16
+    assert pair.estimate_samples(0, exclude=IDS[0], now=110.0) == 16
+    # Nobody stated a rate: nothing to extrapolate from.
+    alone = aggregate([late], target_batch_size=256, now=101.0)
+    assert alone.typical() is None and alone.unstated_rate(0) == 0.0
+    assert alone.estimate_samples(0, exclude=None, now=101.0, partial=True) == 0
 
 
 def test_a_closed_peer_counts_toward_the_next_step_from_when_it_stepped() -> None:
@@ -260,12 +289,12 @@ def test_a_closed_peer_counts_toward_the_next_step_from_when_it_stepped() -> Non
 def test_the_work_estimate_counts_the_batches_in_progress() -> None:
     records = [
         PeerProgress(IDS[0], 5, 32, 40.0, 100.0, batch=16),  # 0.5 s: 20 samples of work
-        PeerProgress(IDS[1], 5, 16, 0.0, 100.0, batch=16),  # no rate yet: its samples only
+        PeerProgress(IDS[1], 5, 16, 0.0, 100.0, batch=16),  # no rate: one batch at 40/s
         PeerProgress(IDS[2], 5, 64, 40.0, 99.0, batch=16, closed=True),  # adds nothing more
     ]
     view = aggregate(records, target_batch_size=256, now=100.5)
-    assert view.estimate_samples(5, exclude=None, now=100.5) == 32 + 16 + 16 + 64
-    assert view.estimate_samples(5, exclude=None, now=100.5, partial=True) == 32 + 20 + 16 + 64
+    assert view.estimate_samples(5, exclude=None, now=100.5) == 32 + 16 + 16 + 16 + 64
+    assert view.estimate_samples(5, exclude=None, now=100.5, partial=True) == 32 + 20 + 32 + 64
 
 
 def test_new_record_fields_survive_the_wire() -> None:
