@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
@@ -22,6 +23,12 @@ from p2ptrain.testing.memory import memory_transport_pair
 from p2ptrain.testing.natlab.plugin import pytest_terminal_summary
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.wire.frames import Frame
+
+# Property tests run beside process-heavy tests on 2 cores: a per-example time
+# limit (hypothesis' default 200 ms) failed them for the machine's load, not
+# for what they check.
+settings.register_profile("p2ptrain", deadline=None)
+settings.load_profile("p2ptrain")
 
 __all__ = ["pytest_terminal_summary"]  # the NAT-lab skip line ends every run
 
