@@ -595,7 +595,10 @@ class StageServer:
             steps[state.index] = steps.get(state.index, 0) + 1
             self.stats.samples_in_steps += record.own
             state.ledger.stepped(record.own)
-        elif state.copt.stats.syncs != syncs:  # the swarm's state replaced what we held
+        elif state.copt.stats.syncs != syncs and not state.copt.local_samples:
+            # The swarm's state replaced what we held, and the optimizer dropped it. (When
+            # it keeps them toward the next step, a step the swarm took without this peer,
+            # the chunks stay: that step counts them, and a replay would count them twice.)
             state.ledger.lose_handed()
 
     async def _announce_loop(self) -> None:
