@@ -46,6 +46,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -272,6 +273,7 @@ class StageServer:
         self._held_per_peer: Counter[PeerID] = Counter()
         self._device: Device = device or ThreadDevice(config.min_compute_s)
         self._stepper = compute_pool("stage-step")
+        self._handing = threading.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._address = ""
         self._past_receipts: dict[str, Receipts] = {}  # of stages this server left
@@ -350,7 +352,10 @@ class StageServer:
         if self.peer.running:
             with contextlib.suppress(TimeoutError, RuntimeError):
                 self.peer.run(self._stop_serving(), timeout=10)
-        self._leave()
+        # In the stepper thread, as aclose: cancelling the step loop does not stop a
+        # hand-over it left running there, and a second one beside it averaged the
+        # same step twice and counted its samples twice.
+        self._stepper.submit(self._leave).result()
         self._stepper.shutdown(wait=True)
 
     async def aclose(self) -> None:
@@ -555,6 +560,10 @@ class StageServer:
         ``handover_max_s`` passed (each hand-over is two passes over the stage's
         gradients). The optimizer is told in any case, so that it steps when the
         stage's other peers fill its batch."""
+        with self._handing:  # one at a time, whatever the thread (the optimizer is not re-entrant)
+            self._hand_over_locked(state, everything=everything)
+
+    def _hand_over_locked(self, state: _Stage, *, everything: bool) -> None:
         handed: list[torch.Tensor] | None = None
         with state.copt.state_lock:
             samples = state.pending
@@ -586,7 +595,10 @@ class StageServer:
             steps[state.index] = steps.get(state.index, 0) + 1
             self.stats.samples_in_steps += record.own
             state.ledger.stepped(record.own)
-        elif state.copt.stats.syncs != syncs:  # the swarm's state replaced what we held
+        elif state.copt.stats.syncs != syncs and not state.copt.local_samples:
+            # The swarm's state replaced what we held, and the optimizer dropped it. (When
+            # it keeps them toward the next step, a step the swarm took without this peer,
+            # the chunks stay: that step counts them, and a replay would count them twice.)
             state.ledger.lose_handed()
 
     async def _announce_loop(self) -> None:

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from swarm_peers import make_trainer, regression_batch, swarm
+import threading
+import time
+from dataclasses import replace
+
+import torch
+from swarm_peers import make_trainer, mlp_model, regression_batch, server_config, sgd, swarm
+from train_worker import FAST_MATCHMAKING, peer_config
+
+from p2ptrain.peer import Peer
+from p2ptrain.swarm import StageServer
+from p2ptrain.testing.swarm_sim import LocalStageOptimizer
 
 
 def test_micro_batches_flow_through_two_stages_and_the_loss_falls() -> None:
@@ -31,3 +41,58 @@ def test_every_committed_sample_is_counted_in_exactly_one_stage_step() -> None:
         counted = [s.stats.samples_in_steps + s.optimizer.local_samples for s in servers]
         assert counted[0] == delivered
         assert counted[1] + counted[2] == delivered
+
+
+class _OneStepAtATime(LocalStageOptimizer):
+    """Records step() calls that overlap; its first step in the stepper thread lasts 0.5 s."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        self.inside = threading.Lock()
+        self.overlaps = 0
+        self.calls = 0
+        self.in_stepper = threading.Event()
+
+    def step(self, batch_size: int | None = None) -> bool:
+        self.calls += 1
+        if not self.inside.acquire(blocking=False):
+            self.overlaps += 1
+            return super().step(batch_size)
+        try:
+            if threading.current_thread().name.startswith("stage-step") and not (
+                self.in_stepper.is_set()
+            ):
+                self.in_stepper.set()
+                time.sleep(0.5)
+            return super().step(batch_size)
+        finally:
+            self.inside.release()
+
+
+def test_close_hands_over_after_the_step_loops_hand_over_not_beside_it() -> None:
+    # CI found a stage step applied twice and 16 samples counted twice: close()
+    # cancelled the step loop, whose hand-over went on in the stepper thread,
+    # and handed over again in the caller's thread at the same time.
+    made: list[_OneStepAtATime] = []
+
+    def stage_optimizer(opt: torch.optim.Optimizer, *_: object) -> _OneStepAtATime:
+        made.append(_OneStepAtATime(opt))
+        return made[0]
+
+    peer = Peer(replace(peer_config((), FAST_MATCHMAKING), nat=None, probe_seconds=None))
+    with peer:
+        server = StageServer(
+            peer=peer,
+            model=mlp_model(),
+            stage=0,
+            make_optimizer=sgd,
+            config=server_config(),
+            stage_optimizer=stage_optimizer,
+        )
+        server.start()
+        try:
+            assert made[0].in_stepper.wait(10)  # the step loop's hand-over is in the optimizer
+        finally:
+            server.close()
+        assert made[0].overlaps == 0
+        assert made[0].calls >= 2  # the loop's and close's
