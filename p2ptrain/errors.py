@@ -47,6 +47,7 @@ translated at the I/O edge and chained with ``raise ... from``.
         ├── CheckpointError              a checkpoint cannot be written or read
         ├── RunMismatchError             this peer's model is not its run's
         ├── TrainingStoppedError         a step reached the trainer's stop time
+        ├── ConcurrentStepError          step() entered while another step() ran
         └── PipelineError                pipeline (SWARM) training could not do its job
             ├── StageUnavailableError    no live peer serves a stage right now
             └── MemoryBudgetError        a stage does not fit this peer's memory budget
@@ -61,6 +62,7 @@ __all__ = [
     "AllReduceError",
     "AuthenticationError",
     "CheckpointError",
+    "ConcurrentStepError",
     "ConfigError",
     "ConnectError",
     "ConnectionClosedError",
@@ -335,6 +337,13 @@ class RunMismatchError(TrainingError):
 
 class TrainingStoppedError(TrainingError):
     """A step still waited for the swarm at the trainer's stop time; it was not applied."""
+
+
+class ConcurrentStepError(TrainingError):
+    """``step()`` was called while another ``step()`` of the same optimizer ran.
+
+    The collaborative optimizers are not re-entrant: two steps at once would
+    average one swarm step twice and count its samples twice."""
 
 
 class PipelineError(TrainingError):

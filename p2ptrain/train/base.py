@@ -21,18 +21,25 @@ an argument or from ``batch_size=`` given at construction, and a closure.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, Protocol, Self
 
 import torch
 
-from p2ptrain.errors import CheckpointError, ConfigError, StateSyncError, TrainingStoppedError
+from p2ptrain.errors import (
+    CheckpointError,
+    ConcurrentStepError,
+    ConfigError,
+    StateSyncError,
+    TrainingStoppedError,
+)
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
 from p2ptrain.train.averaging import RoundOutcome
@@ -160,6 +167,7 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         self._samples = 0
         self._collab: Collaboration | None = None
         self._outcome: RoundOutcome | None = None
+        self._stepping = threading.Lock()
 
     @abstractmethod
     def step(  # type: ignore[override]
@@ -176,6 +184,19 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         Returns:
             Whether the parameters changed by a swarm step or a downloaded state.
         """
+
+    @contextlib.contextmanager
+    def _one_step_at_a_time(self) -> Iterator[None]:
+        """Refuse a ``step()`` that enters while another one runs (from another thread)."""
+        if not self._stepping.acquire(blocking=False):
+            raise ConcurrentStepError(
+                "step() was called while another step() of this optimizer was running;"
+                " call it from one thread at a time"
+            )
+        try:
+            yield
+        finally:
+            self._stepping.release()
 
     def _batch(self, batch_size: int | None, closure: Callable[[], Any] | None) -> int:
         """The batch size of a ``step()`` call, after running its closure."""

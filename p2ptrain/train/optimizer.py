@@ -161,7 +161,12 @@ class CollaborativeOptimizer(SwarmTrainer):
         Raises:
             ConfigError: ``batch_size`` is not an int >= 0, or a gradient is sparse.
             RuntimeError: The optimizer is not started.
+            ConcurrentStepError: Another ``step()`` of this optimizer is running.
         """
+        with self._one_step_at_a_time():
+            return self._step_batch(batch_size, closure)
+
+    def _step_batch(self, batch_size: int | None, closure: Callable[[], Any] | None) -> bool:
         batch_size = self._batch(batch_size, closure)
         collab = self._collaboration
         collab.record_batch(batch_size)

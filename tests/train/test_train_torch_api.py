@@ -8,6 +8,7 @@ in snapshots, checkpoints and state downloads. Real peers on loopback.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from train_worker import FAST_PROGRESS, peer_config
 
-from p2ptrain.errors import ConfigError, StateSyncError
+from p2ptrain.errors import ConcurrentStepError, ConfigError, StateSyncError
 from p2ptrain.peer import Peer
 from p2ptrain.train import CollaborativeOptimizer, TrainerConfig
 
@@ -151,3 +152,27 @@ def test_batchnorm_statistics_survive_a_state_download() -> None:
     finally:
         second.close()
         first.close()
+
+
+def test_a_step_entered_while_another_runs_is_refused_not_counted_twice(peer: Peer) -> None:
+    model = linear()
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_closure() -> None:  # runs inside the first step()
+        batch_grad(model)
+        inside.set()
+        assert release.wait(10)
+
+    with alone(peer, model) as opt:
+        first = threading.Thread(target=lambda: opt.step(closure=slow_closure))
+        first.start()
+        try:
+            assert inside.wait(10)
+            with pytest.raises(ConcurrentStepError, match="another step"):
+                opt.step()
+        finally:
+            release.set()
+            first.join(10)
+        assert opt.global_step == 1  # the first step alone
+        batch_grad(model)
+        assert opt.step() is True and opt.global_step == 2  # the lock is free again
