@@ -136,6 +136,7 @@ class Connection:
         self._tasks.spawn(self._maintain(), name="conn-maintenance")
         transport.set_receiver(self)
         transport.set_payload_allocator(self._payload_buffer)
+        transport.set_crypto_offload(config.crypto_offload_bytes)
 
     def __repr__(self) -> str:
         return f"Connection({self.remote_peer.short} via {self.path}, {len(self._streams)} streams)"
