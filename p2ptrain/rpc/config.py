@@ -32,8 +32,8 @@ class ConnectionConfig:
         crypto_offload_bytes: TCP only: encrypted payloads of at least this
             many bytes are sealed and opened on worker threads, overlapped
             with the socket I/O of the frames around them
-            (:mod:`p2ptrain.transport.crypto_offload`); None does all the
-            AES-GCM work on the event loop.
+            (:mod:`p2ptrain.transport.crypto_offload`; only on machines of
+            4 cores or more); None does all the AES-GCM work on the event loop.
         handshake_timeout: seconds a new connection has to finish the handshake.
         idle_timeout: seconds without open streams after which a connection closes.
         keepalive_interval: seconds of silence from the remote after which a PING
