@@ -95,7 +95,9 @@ from benchmarks.harness import DefaultsHelpFormatter, emit_json, uvloop_availabl
 from p2ptrain.allreduce import GroupPlan
 from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
 from p2ptrain.node.address import PeerAddress
+from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.testing.natlab.netns import lab_unavailable, python_env
+from p2ptrain.transport.crypto_offload import effective_offload_bytes
 
 MiB = 1 << 20
 HIVEMIND_RETRIES = 3
@@ -190,6 +192,7 @@ def measure_p2ptrain_and_gloo(args: argparse.Namespace) -> list[Series]:
             timeout=args.timeout,
             pool_mib=args.p2ptrain_pool_mib,
             profile=profile,
+            crypto_offload=not args.no_crypto_offload,
         )
         start_gloo(gloo, f"127.0.0.1:{free_port()}", n, ifname="lo", timeout=args.timeout)
         plain_addresses = []
@@ -257,6 +260,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=DEFAULT_CHUNK_ELEMENTS // 256,
         help="p2ptrain chunk size on loopback (KiB; default: the library's)",
+    )
+    parser.add_argument(
+        "--no-crypto-offload",
+        action="store_true",
+        help="encrypted p2ptrain rows with every AES-GCM pass on the event loop "
+        "(ConnectionConfig.crypto_offload_bytes=None; offload is used only on 4+ cores)",
     )
     parser.add_argument(
         "--p2ptrain-pool-mib",
@@ -427,6 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeats": args.repeats,
             "chunk_bytes": args.chunk_kib * 1024,
             "p2ptrain_encrypted": getattr(args, "p2ptrain_sealed", None),
+            "p2ptrain_crypto_offload": effective_offload_bytes(
+                None if args.no_crypto_offload else ConnectionConfig().crypto_offload_bytes
+            ),
             "p2ptrain_pool_mib": args.p2ptrain_pool_mib,
             "statistic": "median",
             "uvloop": uvloop_available(),

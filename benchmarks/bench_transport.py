@@ -295,9 +295,19 @@ async def _rpc_cpu(context: CallContext, request: Message) -> Message:
     return Message(cpu_seconds())
 
 
-async def serve_rpc(ready: Callable[[str], None], *, plaintext: bool = False) -> None:
+def _node_config(*, plaintext: bool, inline_crypto: bool = False) -> NodeConfig:
+    if not inline_crypto:
+        return NodeConfig(insecure_plaintext=plaintext)
+    return NodeConfig(
+        insecure_plaintext=plaintext, connection=ConnectionConfig(crypto_offload_bytes=None)
+    )
+
+
+async def serve_rpc(
+    ready: Callable[[str], None], *, plaintext: bool = False, inline_crypto: bool = False
+) -> None:
     """Server role of the ``rpc`` path: a Node serving the sink and the echo."""
-    async with Node(config=NodeConfig(insecure_plaintext=plaintext)) as node:
+    async with Node(config=_node_config(plaintext=plaintext, inline_crypto=inline_crypto)) as node:
         node.handlers.add_stream(SINK_METHOD, _rpc_sink)
         node.handlers.add_unary(ECHO_METHOD, _rpc_echo)
         node.handlers.add_unary(CPU_METHOD, _rpc_cpu)
@@ -311,6 +321,8 @@ class RPCClient(PathClient):
 
     plaintext = False
     """Whether the connection runs with ``insecure_plaintext`` (no records)."""
+    inline_crypto = False
+    """Whether all AES-GCM work stays on the event loop (``crypto_offload_bytes=None``)."""
 
     def __init__(self) -> None:
         self._node: Node | None = None
@@ -321,7 +333,9 @@ class RPCClient(PathClient):
         # Parsed once, as a caller holding a PeerAddress would: Node.call(str) re-parses the
         # text (base32 PeerID included) on every call.
         self._address = PeerAddress.parse(address)
-        self._node = Node(config=NodeConfig(insecure_plaintext=self.plaintext))
+        self._node = Node(
+            config=_node_config(plaintext=self.plaintext, inline_crypto=self.inline_crypto)
+        )
         await self._node.start()
         # The node's first memory pass (10 s after its start) is a full garbage
         # collection of everything torch and the package allocated, 0.4-0.8 s
@@ -424,6 +438,17 @@ class PlaintextRPCClient(RPCClient):
     """Client of the ``rpc-plaintext`` path: frames after the handshake unsealed."""
 
     plaintext = True
+
+
+async def serve_rpc_inline_crypto(ready: Callable[[str], None]) -> None:
+    """Server role of the ``rpc-inline-crypto`` path (no crypto worker threads)."""
+    await serve_rpc(ready, inline_crypto=True)
+
+
+class InlineCryptoRPCClient(RPCClient):
+    """Client of the ``rpc-inline-crypto`` path: encrypted, every AES-GCM pass on the loop."""
+
+    inline_crypto = True
 
 
 # -- raw asyncio socket baseline -----------------------------------------------------------
@@ -629,8 +654,16 @@ PATHS: dict[str, BenchPath] = {
             PlaintextRPCClient,
         ),
         BenchPath("raw", "raw asyncio socket", serve_raw, RawClient),
+        BenchPath(
+            "rpc-inline-crypto",
+            "p2ptrain RPC (tcp, encrypted, no crypto threads)",
+            serve_rpc_inline_crypto,
+            InlineCryptoRPCClient,
+        ),
     )
 }
+OPTIONAL_PATHS = ("rpc-inline-crypto",)
+"""Paths measured only when asked for (``--inline-crypto-row``): an ablation."""
 BASELINE = "raw"
 """The path every other one is compared with."""
 SECURE_GOAL = 0.60
@@ -1028,6 +1061,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--shaped-repeats", type=int, default=3, help="shaped runs per mode")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     parser.add_argument(
+        "--inline-crypto-row",
+        action="store_true",
+        help="also measure encrypted RPC with crypto_offload_bytes=None (no worker threads)",
+    )
+    parser.add_argument(
         "--role", choices=["bench", "server"], default="bench", help=argparse.SUPPRESS
     )
     parser.add_argument("--path", choices=sorted(PATHS), help=argparse.SUPPRESS)
@@ -1063,6 +1101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         addresses = {}
         for key in PATHS:
+            if key in OPTIONAL_PATHS and not args.inline_crypto_row:
+                continue
             server = stack.enter_context(ServerProcess(_server_argv(key, args.uvloop)))
             addresses[key] = server.address
         results = run(measure(args, addresses), use_uvloop=args.uvloop)

@@ -64,13 +64,15 @@ def start_p2ptrain(
     pool_mib: int | None = None,
     profile: str | None = None,
     insecure_plaintext: bool = False,
+    crypto_offload: bool = True,
 ) -> list[PeerAddress]:
     """Start one p2ptrain node per host; return their addresses.
 
     ``pool_mib`` overrides the idle bytes of p2ptrain's buffer pool (``None``:
     the library's default); ``profile`` is a cProfile output path for every
     peer (``{pid}`` expands); ``insecure_plaintext`` runs the peers with the
-    trusted-cluster opt-out (no records after the handshake).
+    trusted-cluster opt-out (no records after the handshake);
+    ``crypto_offload`` False keeps every AES-GCM pass on the peers' event loops.
     """
     base = [sys.executable, "-m", WORKER, "p2ptrain", "--timeout", str(timeout)]
     if pool_mib is not None:
@@ -79,6 +81,8 @@ def start_p2ptrain(
         base += ["--profile", profile]
     if insecure_plaintext:
         base += ["--insecure-plaintext"]
+    if not crypto_offload:
+        base += ["--no-crypto-offload"]
     argvs = [wrap(i, [*base, "--host", host]) for i, host in enumerate(hosts)]
     hellos = group.start(argvs, timeout=START_TIMEOUT)
     return [PeerAddress.parse(hello["hello"]) for hello in hellos]

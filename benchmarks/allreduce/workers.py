@@ -114,7 +114,11 @@ class _Trace(RoundObserver):
 
 
 async def _serve_p2ptrain(
-    host: str, round_timeout: float, pool_bytes: int | None, plaintext: bool = False
+    host: str,
+    round_timeout: float,
+    pool_bytes: int | None,
+    plaintext: bool = False,
+    crypto_offload: bool = True,
 ) -> None:
     import msgpack
 
@@ -125,6 +129,7 @@ async def _serve_p2ptrain(
     from p2ptrain.node.address import PeerAddress
     from p2ptrain.node.config import NodeConfig
     from p2ptrain.node.node import Node
+    from p2ptrain.rpc.config import ConnectionConfig
     from p2ptrain.wire.buffers import default_pool
 
     if pool_bytes is not None:
@@ -133,7 +138,14 @@ async def _serve_p2ptrain(
     loop = asyncio.get_running_loop()
     inputs = _Inputs()
     config = AllReduceConfig()  # codec none, plain mean
-    async with Node(config=NodeConfig(host=host, insecure_plaintext=plaintext)) as node:
+    node_config = NodeConfig(host=host, insecure_plaintext=plaintext)
+    if not crypto_offload:
+        node_config = NodeConfig(
+            host=host,
+            insecure_plaintext=plaintext,
+            connection=ConnectionConfig(crypto_offload_bytes=None),
+        )
+    async with Node(config=node_config) as node:
         service = AllReduceService(node, join_timeout=round_timeout, links=LinkEstimator())
         write_message({"hello": str(node.address), "pid": os.getpid()})
         plan: GroupPlan | None = None
@@ -283,6 +295,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="p2ptrain: frames unencrypted after the handshake (the trusted-cluster opt-out)",
     )
+    parser.add_argument(
+        "--no-crypto-offload",
+        action="store_true",
+        help="p2ptrain: every AES-GCM pass on the event loop (crypto_offload_bytes=None)",
+    )
     args: Any = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     pool_bytes = None if args.pool_mib is None else args.pool_mib * (1 << 20)
@@ -302,10 +319,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             has_uvloop()  # imports uvloop
 
             with cProfile.Profile(time.process_time) as profiler:  # CPU, not waiting
-                run(_serve_p2ptrain(args.host, args.timeout, pool_bytes, args.insecure_plaintext))
+                run(
+                    _serve_p2ptrain(
+                        args.host,
+                        args.timeout,
+                        pool_bytes,
+                        args.insecure_plaintext,
+                        not args.no_crypto_offload,
+                    )
+                )
             profiler.dump_stats(args.profile.format(pid=os.getpid()))
         else:
-            run(_serve_p2ptrain(args.host, args.timeout, pool_bytes, args.insecure_plaintext))
+            run(
+                _serve_p2ptrain(
+                    args.host,
+                    args.timeout,
+                    pool_bytes,
+                    args.insecure_plaintext,
+                    not args.no_crypto_offload,
+                )
+            )
     else:
         if args.master is None:
             parser.error("gloo needs --master")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from p2ptrain.transport.crypto_offload import DEFAULT_OFFLOAD_BYTES
 from p2ptrain.transport.pacing import DEFAULT_PACE_TARGET_S
 from p2ptrain.validate import check_integer, check_number
 
@@ -28,6 +29,11 @@ class ConnectionConfig:
             the connection's measured rate, so that small frames never queue
             behind megabytes (:mod:`p2ptrain.transport.pacing`); None turns
             pacing off.
+        crypto_offload_bytes: TCP only: encrypted payloads of at least this
+            many bytes are sealed and opened on worker threads, overlapped
+            with the socket I/O of the frames around them
+            (:mod:`p2ptrain.transport.crypto_offload`; only on machines of
+            4 cores or more); None does all the AES-GCM work on the event loop.
         handshake_timeout: seconds a new connection has to finish the handshake.
         idle_timeout: seconds without open streams after which a connection closes.
         keepalive_interval: seconds of silence from the remote after which a PING
@@ -77,6 +83,7 @@ class ConnectionConfig:
     max_streams: int = 1024
     write_high_water: int = 1 * MiB
     pace_target_s: float | None = DEFAULT_PACE_TARGET_S
+    crypto_offload_bytes: int | None = DEFAULT_OFFLOAD_BYTES
     handshake_timeout: float = 10.0
     idle_timeout: float = 300.0
     keepalive_interval: float = 15.0
@@ -121,6 +128,12 @@ class ConnectionConfig:
         for name in ("connection_reserve_bytes", "connection_reserve_streams"):
             check_integer(f"{owner}.{name}", getattr(self, name), at_least=0)
         check_number(f"{owner}.pace_target_s", self.pace_target_s, allow_none=True)
+        check_integer(
+            f"{owner}.crypto_offload_bytes",
+            self.crypto_offload_bytes,
+            at_least=4096,
+            allow_none=True,
+        )
         for name in (
             "handshake_timeout",
             "idle_timeout",

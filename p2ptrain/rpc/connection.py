@@ -58,6 +58,7 @@ from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.handshake import HandshakeResult
 from p2ptrain.secure.identity import PeerID
 from p2ptrain.transport.base import FrameTransport
+from p2ptrain.transport.crypto_offload import effective_offload_bytes
 from p2ptrain.wire.frames import (
     FLAG_END,
     FLAG_MESSAGE,
@@ -136,6 +137,7 @@ class Connection:
         self._tasks.spawn(self._maintain(), name="conn-maintenance")
         transport.set_receiver(self)
         transport.set_payload_allocator(self._payload_buffer)
+        transport.set_crypto_offload(effective_offload_bytes(config.crypto_offload_bytes))
 
     def __repr__(self) -> str:
         return f"Connection({self.remote_peer.short} via {self.path}, {len(self._streams)} streams)"

@@ -14,6 +14,13 @@ already encrypted and authenticated end to end (WebRTC's DTLS) says so with
 :attr:`FrameTransport.channel_encrypted` and exposes
 :attr:`FrameTransport.channel_binding`, which the handshake signs; it is not
 sealed a second time.
+
+A transport may also open large payloads on the crypto worker threads
+(:meth:`FrameTransport.set_crypto_offload`,
+:mod:`p2ptrain.transport.crypto_offload`): such a frame, and every frame
+decoded after it, waits in order until its payload has authenticated; one
+that fails closes the connection and nothing from it or after it is
+delivered.
 """
 
 from __future__ import annotations
@@ -22,15 +29,18 @@ import abc
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from p2ptrain.errors import (
     ConnectionClosedError,
+    IntegrityError,
     LocalProtocolError,
     P2PTrainError,
     RemoteProtocolError,
 )
+from p2ptrain.transport.crypto_offload import crypto_executor
 from p2ptrain.wire.frames import (
     PREFIX,
     Buffer,
@@ -41,7 +51,7 @@ from p2ptrain.wire.frames import (
     encode_frame,
     frame_header,
 )
-from p2ptrain.wire.records import RecordKeys, RecordOpener, RecordSealer
+from p2ptrain.wire.records import OpenJob, RecordKeys, RecordOpener, RecordSealer
 
 __all__ = ["FrameReceiver", "FrameTransport", "TransportStats"]
 
@@ -98,6 +108,12 @@ class FrameTransport(abc.ABC):
         self.payload_allocator: PayloadAllocator | None = None
         self._sealer: RecordSealer | None = None
         self._frame_limit_after_auth: int | None = None
+        self.crypto_offload_bytes: int | None = None
+        """Sealed payloads at least this large go to a crypto worker thread (None: none do)."""
+        # Frames decoded behind a payload that a worker is still opening, in order.
+        self._opening: deque[tuple[Frame, asyncio.Future[memoryview] | None]] = deque()
+        self._loss_after_opening: list[P2PTrainError | None] = []
+        self._failure_after_opening: RemoteProtocolError | None = None
 
     # -- before authentication ---------------------------------------------------------
 
@@ -189,6 +205,28 @@ class FrameTransport(abc.ABC):
             size = len(head) + buffer_nbytes(payload)
             self._check_size(size)
             return head, payload, size
+        header, view = self._sealable(frame)
+        head, sealed = sealer.seal(header, view)
+        if sealed is None:
+            return head, b"", len(head)
+        return head, sealed, len(head) + len(sealed)
+
+    def _encode_later(self, frame: Frame) -> tuple[bytes, memoryview, int, Callable[[], None]]:
+        """Like :meth:`_encode` for a sealed frame with a payload, whose sealing is a job.
+
+        Returns (head, sealed payload buffer, size on the wire, the job that
+        fills the buffer); see :meth:`~p2ptrain.wire.records.RecordSealer.seal_later`.
+        """
+        if self._sealer is None:
+            raise RuntimeError("_encode_later() needs records")
+        header, view = self._sealable(frame)
+        if view is None:
+            raise RuntimeError("_encode_later() needs a payload")
+        head, sealed, job = self._sealer.seal_later(header, view)
+        return head, sealed, len(head) + len(sealed), job
+
+    def _sealable(self, frame: Frame) -> tuple[bytes, memoryview | None]:
+        """The header of ``frame`` and its payload as a flat byte view (None: no payload)."""
         header = frame_header(frame)
         nbytes = buffer_nbytes(frame.payload)
         self._check_size(PREFIX.size + len(header) + nbytes)
@@ -199,10 +237,7 @@ class FrameTransport(abc.ABC):
                 raise LocalProtocolError("a frame's payload must be a contiguous buffer")
             if view.format != "B" or view.ndim != 1:
                 view = view.cast("B")
-        head, sealed = sealer.seal(header, view)
-        if sealed is None:
-            return head, b"", len(head)
-        return head, sealed, len(head) + len(sealed)
+        return header, view
 
     def _check_size(self, size: int) -> None:
         if self.max_send_frame is not None and size > self.max_send_frame:
@@ -243,6 +278,69 @@ class FrameTransport(abc.ABC):
         """
         self.payload_allocator = allocator
 
+    def set_crypto_offload(self, nbytes: int | None) -> None:
+        """Seal and open payloads of at least ``nbytes`` on a worker thread (None: never).
+
+        Only an optimization: transports that cannot honour it only remember it.
+        """
+        self.crypto_offload_bytes = nbytes
+
+    def _accept(self, frame: Frame, job: OpenJob | None) -> None:
+        """Deliver ``frame`` in order, once ``job`` (if any) has opened its payload."""
+        if job is None and not self._opening:
+            self._deliver(frame)
+            return
+        future = None
+        if job is not None:
+            future = asyncio.get_running_loop().run_in_executor(crypto_executor(), job)
+            future.add_done_callback(self._opened)
+        self._opening.append((frame, future))
+
+    def _opened(self, _future: asyncio.Future[memoryview]) -> None:
+        """Deliver the frames at the head of the queue whose payloads are open."""
+        opening = self._opening
+        while opening and not self._closed:
+            frame, future = opening[0]
+            if future is not None:
+                if not future.done():
+                    return
+                exc = future.exception()
+                if exc is not None:
+                    opening.clear()
+                    self._failure_after_opening = None  # this failure came first
+                    if not isinstance(exc, IntegrityError):  # pragma: no cover - a bug
+                        exc = IntegrityError(f"opening a record failed: {exc!r}")
+                    self._close_failed(exc)
+                    return
+                frame.payload = future.result()
+            opening.popleft()
+            self._deliver(frame)
+        if opening or self._closed:
+            return
+        if self._failure_after_opening is not None:
+            failure, self._failure_after_opening = self._failure_after_opening, None
+            self._close_failed(failure)
+        elif self._loss_after_opening:
+            self._lost(self._loss_after_opening.pop())
+
+    def _close_failed(self, exc: RemoteProtocolError) -> None:
+        """Close on the remote's protocol violation ``exc``, logged.
+
+        Frames decoded before it that are still being opened come first: if
+        one of them fails, its error is the one reported.
+        """
+        if self._opening:
+            if self._failure_after_opening is None:
+                self._failure_after_opening = exc
+            return
+        self._log_failure(exc)
+        self.close(exc)
+
+    def _log_failure(self, exc: RemoteProtocolError) -> None:
+        logger.warning(
+            "closing connection from %s: %s: %s", self.remote_address, type(exc).__name__, exc
+        )
+
     def _deliver(self, frame: Frame) -> None:
         self.stats.frames_received += 1
         if self._receiver is not None:
@@ -257,6 +355,11 @@ class FrameTransport(abc.ABC):
 
     def _lost(self, exc: P2PTrainError | None) -> None:
         if self._closed:
+            return
+        if self._opening:
+            # The remote closed after frames still being opened: deliver them first.
+            if not self._loss_after_opening:
+                self._loss_after_opening.append(exc)
             return
         self._closed = True
         self._close_exc = exc
@@ -276,6 +379,7 @@ class FrameTransport(abc.ABC):
         """Close now; queued outgoing data is sent first only if ``flush``."""
         if self._closed:
             return
+        self._opening.clear()  # closed here: what is still being opened is not delivered
         self._abort(flush=flush)
         self._lost(exc)
 

@@ -8,11 +8,19 @@ header and payload (the payload is not joined to the header first);
 :meth:`TCPTransport.send_frame` waits while the write buffer is above its
 high-water mark, which is the backpressure the RPC layer builds on. Under
 uvloop both go to the kernel in one vectored write.
+
+With records and :meth:`~p2ptrain.transport.base.FrameTransport.set_crypto_offload`,
+a large payload is sealed on a crypto worker thread
+(:mod:`p2ptrain.transport.crypto_offload`) while the loop keeps the socket
+busy with the frames before it; frames sent meanwhile wait behind it, so the
+wire keeps the records' counter order. Large received payloads are opened
+there too, while the next frame is read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import socket
@@ -22,17 +30,19 @@ from typing import cast
 from p2ptrain.errors import (
     ConnectError,
     ConnectionClosedError,
+    LocalProtocolError,
     RemoteProtocolError,
     TransportTimeoutError,
 )
 from p2ptrain.transport.base import FrameTransport
+from p2ptrain.transport.crypto_offload import crypto_executor
 from p2ptrain.transport.pacing import (
     BULK_FRAME_BYTES,
     DEFAULT_PACE_TARGET_S,
     SendPacer,
     kernel_unsent_bytes,
 )
-from p2ptrain.wire.frames import Frame, FrameDecoder, PayloadAllocator, buffer_nbytes
+from p2ptrain.wire.frames import Buffer, Frame, FrameDecoder, PayloadAllocator, buffer_nbytes
 
 __all__ = ["TCPListener", "TCPTransport", "tcp_connect", "tcp_listen"]
 
@@ -77,6 +87,9 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         self.pacer = None if pace_target_s is None else SendPacer(target_s=pace_target_s)
         """Paces bulk frames (None: pacing is off)."""
         self._bulk_turn = asyncio.Lock()  # bulk frames are written one at a time, in order
+        # While a worker seals a bulk frame: the frames sent meanwhile, written after it.
+        self._held: list[tuple[bytes, Buffer]] | None = None
+        self._close_after_seal = False
         self.connected = asyncio.Event()
         if max_handshake_frame_bytes is not None:
             self.limit_frames_until_authenticated(max_handshake_frame_bytes)
@@ -117,6 +130,7 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self.stats.bytes_received += nbytes
         self._after_direct = self._reading_direct
+        failure: RemoteProtocolError | None = None
         try:
             if self._reading_direct:
                 self._decoder.payload_written(nbytes)
@@ -126,15 +140,20 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
                     self._read_buffer = bytearray(_READ_CHUNK)  # busy: read more at once
                     self._may_grow = False
         except RemoteProtocolError as exc:
-            logger.warning(
-                "closing connection from %s: %s: %s", self._peername, type(exc).__name__, exc
-            )
-            self.close(exc)
-            return
-        while (frame := self._decoder.next_frame()) is not None:
-            self._deliver(frame)
+            failure = exc
+        # The frames decoded before a failure go first: one still being opened
+        # may turn out to be where the stream went wrong.
+        while (item := self._decoder.next_sealed()) is not None:
+            self._accept(*item)
             if self.closed:
                 return
+        if failure is not None:
+            self._close_failed(failure)
+
+    def _log_failure(self, exc: RemoteProtocolError) -> None:
+        logger.warning(
+            "closing connection from %s: %s: %s", self._peername, type(exc).__name__, exc
+        )
 
     def eof_received(self) -> bool | None:
         self._lost(ConnectionClosedError(f"{self._peername} closed the connection"))
@@ -165,6 +184,10 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         super().set_payload_allocator(allocator)
         self._decoder.payload_allocator = allocator
 
+    def set_crypto_offload(self, nbytes: int | None) -> None:
+        super().set_crypto_offload(nbytes)
+        self._decoder.defer_open_bytes = nbytes
+
     @property
     def remote_address(self) -> str:
         return self._peername
@@ -189,7 +212,64 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
             # (the event loop owns the socket's writability): poll, at the drain time.
             while (delay := self._pace()) > 0:  # noqa: ASYNC110
                 await asyncio.sleep(delay)
+            offload = self.crypto_offload_bytes
+            if self.sealed and offload is not None and buffer_nbytes(frame.payload) >= offload:
+                return await self._send_sealed_later(frame)
             return self.send_frame_nowait(frame)
+
+    async def _send_sealed_later(self, frame: Frame) -> int:
+        """Seal ``frame``'s payload on a worker thread, then write it (see the module doc).
+
+        Once its counters are taken the frame is written even if the caller
+        is cancelled meanwhile: the frames after it need it on the wire.
+        """
+        transport = self._open_transport()
+        head, sealed, size, job = self._encode_later(frame)
+        loop = asyncio.get_running_loop()
+        written: asyncio.Future[bool] = loop.create_future()
+        self._held = []
+
+        def sealed_by_worker(done: concurrent.futures.Future[None]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to write
+                loop.call_soon_threadsafe(
+                    self._write_sealed, transport, done, head, sealed, written
+                )
+
+        crypto_executor().submit(job).add_done_callback(sealed_by_worker)
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += size
+        if not await asyncio.shield(written):
+            raise self._close_exc or ConnectionClosedError("connection closed")
+        return size
+
+    def _write_sealed(
+        self,
+        transport: asyncio.Transport,
+        done: concurrent.futures.Future[None],
+        head: bytes,
+        sealed: memoryview,
+        written: asyncio.Future[bool],
+    ) -> None:
+        held, self._held = self._held or [], None
+        ok = False
+        exc = done.exception()
+        if exc is not None:  # pragma: no cover - encrypting into our own buffer does not fail
+            self.close(LocalProtocolError(f"sealing a frame failed: {exc!r}"))
+        elif not transport.is_closing() and (self._close_after_seal or not self.closed):
+            self._write(transport, head, sealed)
+            for held_head, payload in held:
+                self._write(transport, held_head, payload)
+            ok = True
+        if self._close_after_seal:
+            transport.close()  # the close(flush=True) that waited for this frame
+        if not written.done():
+            written.set_result(ok)
+
+    def _open_transport(self) -> asyncio.Transport:
+        transport = self._transport
+        if self.closed or transport is None or transport.is_closing():
+            raise self._close_exc or ConnectionClosedError("connection closed")
+        return transport
 
     def _pace(self) -> float:
         """Seconds a bulk frame should wait for the queue below to drain (0: write now)."""
@@ -208,11 +288,18 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
             await self._can_write.wait()
 
     def send_frame_nowait(self, frame: Frame) -> int:
-        transport = self._transport
-        if self.closed or transport is None or transport.is_closing():
-            raise self._close_exc or ConnectionClosedError("connection closed")
+        transport = self._open_transport()
         head, payload, size = self._encode(frame)
-        if size == len(head):
+        if self._held is not None:
+            self._held.append((head, payload))  # behind the frame a worker is sealing
+        else:
+            self._write(transport, head, payload)
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += size
+        return size
+
+    def _write(self, transport: asyncio.Transport, head: bytes, payload: Buffer) -> None:
+        if not buffer_nbytes(payload):
             transport.write(head)
         elif self._vectored:
             # One system call for the frame: no separate tiny segment for its head.
@@ -220,14 +307,13 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         else:
             transport.write(head)
             transport.write(payload)
-        self.stats.frames_sent += 1
-        self.stats.bytes_sent += size
-        return size
 
     def _abort(self, *, flush: bool) -> None:
         if self._transport is None:
             return
-        if flush:
+        if flush and self._held is not None:
+            self._close_after_seal = True  # closed once the frame being sealed is written
+        elif flush:
             self._transport.close()  # sends the write buffer first
         else:
             self._transport.abort()

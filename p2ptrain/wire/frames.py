@@ -25,7 +25,11 @@ the decoder is given a :class:`~p2ptrain.wire.records.RecordOpener` with
 :meth:`FrameDecoder.start_records`, the prefix keeps its meaning, and the
 header and payload are authenticated and decrypted before a frame is built.
 The size limits apply to the plaintext frame (the 32 bytes of tags are not
-counted against them).
+counted against them). With :attr:`FrameDecoder.defer_open_bytes` set, a
+payload at least that large is not opened by the decoder: the frame comes
+out of :meth:`FrameDecoder.next_sealed` with an
+:data:`~p2ptrain.wire.records.OpenJob` that its receiver runs (on a worker
+thread) before it uses the frame or any frame after it.
 
 Any violation raises a :class:`~p2ptrain.errors.RemoteProtocolError`; the
 decoder is then unusable and the connection must be closed.
@@ -49,7 +53,7 @@ from p2ptrain.errors import (
     RemoteProtocolError,
 )
 from p2ptrain.wire.buffers import default_pool
-from p2ptrain.wire.records import RECORD_OVERHEAD, TAG_BYTES, RecordOpener
+from p2ptrain.wire.records import RECORD_OVERHEAD, TAG_BYTES, OpenJob, RecordOpener
 
 __all__ = [
     "FLAG_END",
@@ -223,7 +227,7 @@ class FrameDecoder:
         self.max_frame_bytes = max_frame_bytes
         self.max_header_bytes = max_header_bytes
         self._pending = bytearray()  # prefix and header bytes not yet parsed
-        self._frames: deque[Frame] = deque()
+        self._frames: deque[tuple[Frame, OpenJob | None]] = deque()
         self._partial: Frame | None = None  # header parsed, payload being filled
         self._payload: memoryview | None = None
         self._filled = 0
@@ -236,6 +240,9 @@ class FrameDecoder:
         self._prefix = b""  # the current record's prefix (its associated data)
         self._tag: bytearray | None = None  # a payload's tag being received
         self._tag_inline = False  # the payload buffer holds ciphertext and tag
+        self.defer_open_bytes: int | None = None
+        """Sealed payloads at least this large are opened by the receiver (see
+        :meth:`next_sealed`); None: the decoder opens every payload itself."""
 
     @property
     def records(self) -> bool:
@@ -275,7 +282,29 @@ class FrameDecoder:
             raise
 
     def next_frame(self) -> Frame | None:
-        """The next complete frame, or None if more bytes are needed."""
+        """The next complete frame, or None if more bytes are needed.
+
+        A payload left to open (:attr:`defer_open_bytes`) is opened here.
+
+        Raises:
+            IntegrityError: that payload failed authentication.
+        """
+        item = self.next_sealed()
+        if item is None:
+            return None
+        frame, job = item
+        if job is not None:
+            frame.payload = job()
+        return frame
+
+    def next_sealed(self) -> tuple[Frame, OpenJob | None] | None:
+        """The next complete frame and the job that opens its payload, if left to the caller.
+
+        With a job, ``frame.payload`` is the buffer the job decrypts in place
+        (its plaintext view on success). Until the job has returned, neither
+        this frame nor any later one may be used: they stand behind a record
+        that is not yet authenticated.
+        """
         if self._frames:
             return self._frames.popleft()
         return None
@@ -329,7 +358,7 @@ class FrameDecoder:
         )
         frame = Frame(ftype, stream_id, flags, fields, b"", length + 4)
         if payload_len == 0:
-            self._frames.append(frame)
+            self._frames.append((frame, None))
             return
         self._partial = frame
         self._payload = self._payload_buffer(frame, payload_len)
@@ -407,24 +436,35 @@ class FrameDecoder:
         frame, payload = self._partial, self._payload
         if frame is None or payload is None or self._filled < len(payload):
             return
+        job: OpenJob | None = None
+        opener = self._opener
         if self._tag_inline:
             self._tag_inline = False
-            if self._opener is None:  # pragma: no cover - inline only with records
+            if opener is None:  # pragma: no cover - inline only with records
                 raise RuntimeError("decoder state corrupted")
-            payload = self._opener.open_payload_inline(self._prefix, payload)
-        elif self._opener is not None:
+            if self._defer(len(payload) - TAG_BYTES):
+                job = opener.open_later(self._prefix, payload, None)
+            else:
+                payload = opener.open_payload_inline(self._prefix, payload)
+        elif opener is not None:
             if self._tag is None:
                 self._tag = bytearray()  # the ciphertext is in: now its tag
                 return
             if len(self._tag) < TAG_BYTES:
                 return
             tag, self._tag = bytes(self._tag), None
-            self._opener.open_payload(self._prefix, payload, tag)
+            if self._defer(len(payload)):
+                job = opener.open_later(self._prefix, payload, tag)
+            else:
+                opener.open_payload(self._prefix, payload, tag)
         frame.payload = payload
-        self._frames.append(frame)
+        self._frames.append((frame, job))
         self._partial = None
         self._payload = None
         self._filled = 0
+
+    def _defer(self, nbytes: int) -> bool:
+        return self.defer_open_bytes is not None and nbytes >= self.defer_open_bytes
 
 
 def _allocate(nbytes: int) -> memoryview:

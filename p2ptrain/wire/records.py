@@ -30,6 +30,15 @@ into its final buffer and decrypted there, in place: no copy beyond the
 kernel's. On the sending side :meth:`RecordSealer.seal` encrypts a payload
 once, from the caller's buffer into a pooled buffer the transport writes.
 
+Large payloads may be sealed and opened off the event loop
+(:mod:`p2ptrain.transport.crypto_offload`): :meth:`RecordSealer.seal_later`
+and :meth:`RecordOpener.open_later` take the payload's counter at once, in
+frame order, and return the AEAD work as a job that any thread may run (the
+``cryptography`` package releases the GIL while it encrypts). The job uses
+its own AESGCM instance of the key captured when the counter was taken, so
+a rekey or another thread's operation never meets it. The format and the
+checks are the same; only the thread that runs the AES-GCM pass changes.
+
 Rekeying: after :data:`REKEY_OPERATIONS` AEAD operations or
 :data:`REKEY_BYTES` bytes sealed under one key, whichever comes first, both
 ends replace the key with ``HKDF-Expand(key, "p2ptrain/rekey", 32)`` and
@@ -46,6 +55,7 @@ then spent and the connection must close.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -63,6 +73,7 @@ __all__ = [
     "REKEY_BYTES",
     "REKEY_OPERATIONS",
     "TAG_BYTES",
+    "OpenJob",
     "RecordKeys",
     "RecordOpener",
     "RecordSealer",
@@ -78,6 +89,10 @@ REKEY_OPERATIONS = 1 << 28
 """AEAD operations under one key before it is replaced."""
 REKEY_BYTES = 1 << 34
 """Bytes (16 GiB) sealed under one key before it is replaced."""
+
+OpenJob = Callable[[], memoryview]
+"""Authenticates and decrypts one payload in place when called (from any thread);
+returns the plaintext view or raises :class:`~p2ptrain.errors.IntegrityError`."""
 
 _NONCE = struct.Struct(">4xQ")
 _REKEY_INFO = b"p2ptrain/rekey"
@@ -166,6 +181,27 @@ class RecordSealer:
         ``payload`` must be a flat byte view (format ``B``); it is read, never
         modified, and may be reused by the caller once this returns.
         """
+        head, sealed, _ = self._seal(header, payload, later=False)
+        return head, sealed
+
+    def seal_later(
+        self, header: bytes, payload: memoryview
+    ) -> tuple[bytes, memoryview, Callable[[], None]]:
+        """Seal a frame's header now and return its payload's sealing as a job.
+
+        Returns (prefix + sealed header, the buffer the sealed payload goes
+        to, the job that fills it). The counters are taken now, so the frame
+        must go on the wire before any frame sealed after this call, and only
+        once the job has returned; ``payload`` must stay unchanged until then.
+        """
+        head, sealed, job = self._seal(header, payload, later=True)
+        if sealed is None or job is None:
+            raise ConfigError("seal_later() needs a non-empty payload")
+        return head, sealed, job
+
+    def _seal(
+        self, header: bytes, payload: memoryview | None, *, later: bool
+    ) -> tuple[bytes, memoryview | None, Callable[[], None] | None]:
         direction = self._dir
         hlen = len(header) + TAG_BYTES
         nbytes = 0 if payload is None else len(payload)
@@ -176,11 +212,25 @@ class RecordSealer:
         prefix = struct.pack(">II", length, hlen)
         sealed_header = direction.aead.encrypt(nonce(direction.take(len(header))), header, prefix)
         sealed: memoryview | None = None
+        job: Callable[[], None] | None = None
         if payload is not None and nbytes:
             sealed = default_pool.get(nbytes + TAG_BYTES)
-            direction.aead.encrypt_into(nonce(direction.take(nbytes)), payload, prefix, sealed)
+            payload_nonce = nonce(direction.take(nbytes))
+            if later:
+                job = _seal_job(direction.key, payload_nonce, payload, prefix, sealed)
+            else:
+                direction.aead.encrypt_into(payload_nonce, payload, prefix, sealed)
         direction.frame_done()
-        return prefix + sealed_header, sealed
+        return prefix + sealed_header, sealed, job
+
+
+def _seal_job(
+    key: bytes, payload_nonce: bytes, payload: memoryview, prefix: bytes, sealed: memoryview
+) -> Callable[[], None]:
+    def job() -> None:
+        AESGCM(key).encrypt_into(payload_nonce, payload, prefix, sealed)
+
+    return job
 
 
 class RecordOpener:
@@ -250,6 +300,41 @@ class RecordOpener:
             ) from exc
         direction.frame_done()
         return plaintext
+
+    def open_later(self, prefix: bytes, payload: memoryview, tag: bytes | None) -> OpenJob:
+        """Take a payload's counter now and return its opening as a job.
+
+        ``tag`` None: ``payload`` holds ciphertext and tag (as for
+        :meth:`open_payload_inline`); else ``payload`` holds the ciphertext
+        (as for :meth:`open_payload`). The caller must not use the plaintext,
+        nor anything that follows it on the connection, before the job has
+        returned; a job that raises spends the opener.
+        """
+        self._check()
+        direction = self._dir
+        nbytes = len(payload) - (TAG_BYTES if tag is None else 0)
+        payload_nonce = nonce(direction.take(nbytes))
+        key = direction.key
+        direction.frame_done()
+
+        def job() -> memoryview:
+            try:
+                if tag is None:
+                    plaintext = payload[:nbytes]
+                    AESGCM(key).decrypt_into(payload_nonce, payload, prefix, plaintext)
+                    return plaintext
+                decryptor = Cipher(algorithms.AES(key), modes.GCM(payload_nonce, tag)).decryptor()
+                decryptor.authenticate_additional_data(prefix)
+                decryptor.update_into(payload, payload)
+                decryptor.finalize()
+                return payload
+            except InvalidTag as exc:
+                self._failed = True
+                raise IntegrityError(
+                    "a record's payload failed authentication (altered on the way)"
+                ) from exc
+
+        return job
 
     def _check(self) -> None:
         if self._failed:

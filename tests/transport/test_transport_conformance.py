@@ -78,6 +78,18 @@ async def test_tcp_sealed(check: Check) -> None:
     await run_check(check, a, b, timeout=TCP_SUITE.timeout)
 
 
+@pytest.mark.parametrize("check", checks(TCP_SUITE), ids=lambda check: check.name)
+async def test_tcp_sealed_offloaded(check: Check) -> None:
+    """And with payloads of 64 KiB or more sealed and opened on the crypto threads."""
+    a, b = await tcp_pair()
+    one, two = bytes(range(32)), bytes(range(1, 33))
+    a.start_records(RecordKeys(send=one, receive=two, rekey_operations=8))
+    b.start_records(RecordKeys(send=two, receive=one, rekey_operations=8))
+    for end in (a, b):
+        end.set_crypto_offload(64 * 1024)
+    await run_check(check, a, b, timeout=TCP_SUITE.timeout)
+
+
 @pytest.mark.netns
 @pytest.mark.parametrize("check", checks(WEBRTC_SUITE), ids=lambda check: check.name)
 def test_webrtc(natlab: NatLab, check: Check) -> None:

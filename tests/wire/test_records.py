@@ -129,3 +129,43 @@ def test_random_bytes_never_decode(data: bytes) -> None:
     except RemoteProtocolError:
         return
     assert got == []  # not enough bytes for a record: nothing delivered
+
+
+def test_deferred_payloads_open_later_and_in_place() -> None:
+    """With defer_open_bytes, large payloads come out with a job (sealed with
+    seal_later); small ones are opened by the decoder; next_frame() runs the job."""
+    sealer, decoder = sealer_and_decoder(rekey_operations=4)
+    decoder.defer_open_bytes = 60_000
+    sent = frames(6)
+    data = b""
+    for frame in sent:
+        if len(frame.payload) >= 60_000:
+            head, buffer, job = sealer.seal_later(frame_header(frame), memoryview(frame.payload))
+            job()
+            data += head + bytes(buffer)
+        else:
+            data += sealed(sealer, frame)
+    decoder.feed(data)
+    got = []
+    while (item := decoder.next_sealed()) is not None:
+        frame, job = item
+        assert (job is not None) == (len(sent[len(got)].payload) >= 60_000)
+        if job is not None:
+            frame.payload = job()
+        got.append(frame)
+    assert [bytes(f.payload) for f in got] == [bytes(f.payload) for f in sent]
+
+
+def test_a_deferred_payload_that_was_altered_fails_its_job() -> None:
+    sealer, decoder = sealer_and_decoder()
+    decoder.defer_open_bytes = 1024
+    first, second = (Frame(FrameType.DATA, 1, 0, {}, os.urandom(4096)) for _ in range(2))
+    data = bytearray(sealed(sealer, first))
+    data[-100] ^= 1
+    decoder.feed(bytes(data) + sealed(sealer, second))
+    _frame, job = decoder.next_sealed() or (None, None)
+    assert job is not None
+    with pytest.raises(IntegrityError):
+        job()
+    with pytest.raises(IntegrityError):  # the opener is spent
+        decoder.feed(sealed(sealer, second))
