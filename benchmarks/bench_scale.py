@@ -64,7 +64,9 @@ def sim_main(job: dict[str, Any]) -> dict[str, Any]:
         peers=job["peers"],
         vector_elements=job["vector_elements"],
         churn=job["churn"],
-        grouping=GroupingConfig(group_size=job["group_size"]),
+        grouping=GroupingConfig(
+            group_size=job["group_size"], group_window=job.get("group_window", 3.0)
+        ),
         seed=job["seed"],
     )
 
@@ -237,6 +239,7 @@ def run_sim(args: argparse.Namespace, peers: int) -> dict[str, Any]:
         "steps": args.steps,
         "vector_elements": args.vector_elements,
         "group_size": args.group_size,
+        "group_window": args.group_window,
         "churn": args.churn,
         "seed": args.seed,
     }
@@ -317,6 +320,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--group-size", type=int, default=32, help="GroupingConfig.group_size (simulated)"
+    )
+    parser.add_argument(
+        "--group-window",
+        type=float,
+        default=3.0,
+        help="GroupingConfig.group_window (simulated): a first step's DHT stores take up to "
+        "about 2.5 virtual s on cold connections, and a group window that closes before a "
+        "member's announcement is readable splits its group",
     )
     parser.add_argument(
         "--churn", type=float, default=0.1, help="fraction of peers replaced per round"

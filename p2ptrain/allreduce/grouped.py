@@ -257,11 +257,14 @@ class GroupedAverager:
         if my_index is None:  # from_wire checked it; a plan always includes its receiver
             raise ConfigError("the group plan does not include this peer")
         mine = range(edges[my_index], edges[my_index + 1])
-        # 2a. matchmake the columns while the group averages.
-        self._set_target(groups, cfg.column_window)
+        # 2a. matchmake the columns while the group averages. A column gathers
+        # until one member per group announced, but takes every member that
+        # announced by then (a group split in two by a late announcement
+        # covers each slice twice; cutting one out would fail that column).
+        self._set_target(2 * groups, cfg.column_window)
         columns = {
             s: asyncio.get_running_loop().create_task(
-                self._column_plan(key, s, bounds[s + 1] - bounds[s]), name=f"column:{s}"
+                self._column_plan(key, s, bounds[s + 1] - bounds[s], groups), name=f"column:{s}"
             )
             for s in mine
         }
@@ -353,8 +356,10 @@ class GroupedAverager:
             groups_in=groups_in,
         )
 
-    async def _column_plan(self, key: str, index: int, num_elements: int) -> GroupPlan:
-        return await self.matchmaker.form_group(f"{key}/s{index}", num_elements=num_elements)
+    async def _column_plan(self, key: str, index: int, num_elements: int, groups: int) -> GroupPlan:
+        return await self.matchmaker.form_group(
+            f"{key}/s{index}", num_elements=num_elements, expected=groups
+        )
 
     def _set_target(self, size: int, window: float, *, alone_ok: bool = True) -> None:
         """Gather up to ``size`` peers for ``window`` seconds.

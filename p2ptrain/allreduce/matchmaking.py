@@ -13,7 +13,11 @@ Theory of operation
    those that accept connections. A candidate asks each smaller candidate, in
    order, whether it is still matchmaking for this key (``mm.ready``); the
    first that answers leads. If none answers, the candidate leads itself.
-   Client-mode peers never lead; they only wait for a plan.
+   Client-mode peers never lead; they only wait for a plan. The question
+   carries the asker's announcement, and the peer asked takes the asker as a
+   candidate: DHT reads can miss an announcement (a replica that did not
+   store it yet), and a candidate that found its leader must not be left out
+   of the leader's group because the leader did not read it.
 4. **Plan.** The leader asks every announced peer ``mm.ready`` in parallel;
    those that answer in time form the group (peers that left are dropped
    here). If at least ``min_group_size`` remain, it solves the load-balancing
@@ -71,6 +75,10 @@ READY_METHOD = "mm.ready"
 PLAN_METHOD = "mm.plan"
 _KEY_PREFIX = "matchmaking/"
 _MEMBER_SUBKEY = b"member"
+_MAX_ASKED = 1024
+"""Candidates taken from ``mm.ready`` questions per key, at most."""
+_MAX_REDIRECTS = 3
+"""Hops an election follows from a candidate to the leader it names."""
 
 
 @dataclass(frozen=True)
@@ -176,10 +184,20 @@ def _capacity_to_wire(capacity: PeerCapacity) -> dict[str, Any]:
 
 def _parse_candidate(subkey: bytes, value: Any) -> _Candidate | None:
     owner = key_owner(subkey)
-    if owner is None or not isinstance(value, dict):
+    if owner is None:
         return None
     try:
         peer_id = PeerID.from_public_key(owner)
+    except (TypeError, ValueError, P2PTrainError):
+        return None
+    return _parse_announcement(peer_id, value)
+
+
+def _parse_announcement(peer_id: PeerID, value: Any) -> _Candidate | None:
+    """The candidate ``peer_id`` announces with ``value`` (None if malformed)."""
+    if not isinstance(value, dict):
+        return None
+    try:
         raw_address = value.get("a")
         address = PeerAddress.parse(raw_address) if isinstance(raw_address, str) else None
         capacity = PeerCapacity(
@@ -222,6 +240,12 @@ class Matchmaker:
         self.client_mode = client_mode
         self._balancer: Balancer = balancer or LoadBalancer()
         self._waiting: dict[str, asyncio.Future[GroupPlan | None]] = {}
+        # Candidates that asked us mm.ready with their announcement, per key.
+        self._asked: dict[str, dict[PeerID, _Candidate]] = {}
+        # Keys whose group this peer leads and has closed: it is ready for no one else.
+        self._sealed: set[str] = set()
+        # The leader this peer elected per key: it answers and takes plans from it only.
+        self._leader: dict[str, _Candidate] = {}
         handlers = dht.node.handlers
         handlers.add_unary(READY_METHOD, self._on_ready)
         handlers.add_unary(PLAN_METHOD, self._on_plan)
@@ -264,12 +288,15 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[GroupPlan | None] = loop.create_future()
         self._waiting[key] = waiter
+        self._asked[key] = {}
         try:
             await self._announce(key)
             candidates = await self._gather(key, expected, due)
             if not self.client_mode and not waiter.done():  # no plan arrived yet
                 leader = await self._elect(key, candidates)
-                if leader is None:
+                if leader is not None:
+                    self._leader[key] = leader
+                elif not waiter.done():  # a plan may have come while we asked
                     await self._lead(
                         key,
                         candidates,
@@ -287,6 +314,9 @@ class Matchmaker:
             return plan
         finally:
             self._waiting.pop(key, None)
+            self._asked.pop(key, None)
+            self._sealed.discard(key)
+            self._leader.pop(key, None)
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -302,7 +332,27 @@ class Matchmaker:
         entries: DictionaryValue = await self.dht.get_dictionary(_KEY_PREFIX + key)
         found = (_parse_candidate(sub, item.value) for sub, item in entries.items())
         unique = {c.peer_id: c for c in found if c is not None}
-        return sorted(unique.values(), key=lambda c: c.peer_id)
+        return self._with_known(key, unique)
+
+    def _with_known(self, key: str, found: dict[PeerID, _Candidate]) -> list[_Candidate]:
+        """``found`` with this peer and the candidates that asked it ``mm.ready``, sorted."""
+        merged = {**self._asked.get(key, {}), **found}
+        me = self.dht.peer_id
+        if me not in merged:  # our own announcement may not be readable yet
+            merged[me] = self._me()
+        return sorted(merged.values(), key=lambda c: c.peer_id)
+
+    def _me(self) -> _Candidate:
+        address = None if self.client_mode else self.dht.address
+        return _Candidate(self.dht.peer_id, address, self._capacity())
+
+    @staticmethod
+    def _truncate(candidates: list[_Candidate], size: int, me: PeerID) -> list[_Candidate]:
+        """The first ``size`` candidates, this peer always among them."""
+        kept = candidates[:size]
+        if all(c.peer_id != me for c in kept):
+            kept = [*kept[: size - 1], *(c for c in candidates if c.peer_id == me)]
+        return kept
 
     async def _gather(
         self, key: str, expected: int | None = None, due: asyncio.Event | None = None
@@ -314,7 +364,7 @@ class Matchmaker:
         while due is not None and not due.is_set():
             candidates = await self._read(key)
             if len(candidates) >= enough:
-                return candidates[: self.config.target_group_size]
+                return self._truncate(candidates, self.config.target_group_size, self.dht.peer_id)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(due.wait(), self.config.poll_interval)
         deadline = loop.time() + self.config.window
@@ -325,19 +375,58 @@ class Matchmaker:
             now = loop.time()
             alone = len(candidates) < self.config.min_group_size
             if len(candidates) >= enough or now >= lone_deadline or (now >= deadline and not alone):
-                return candidates[: self.config.target_group_size]
+                return self._truncate(candidates, self.config.target_group_size, self.dht.peer_id)
             until = deadline if now < deadline else lone_deadline
             await asyncio.sleep(min(self.config.poll_interval, max(0.0, until - now)))
 
-    async def _elect(self, key: str, candidates: list[_Candidate]) -> PeerID | None:
-        """The live leader smaller than us, or None if we lead."""
+    async def _elect(self, key: str, candidates: list[_Candidate]) -> _Candidate | None:
+        """The live leader smaller than us, or None if we lead.
+
+        A candidate that already elected its leader names it instead of
+        answering: we follow (a few hops), so that a peer whose DHT reads
+        missed the leader still joins its group.
+        """
         me = self.dht.peer_id
         for candidate in candidates:
             if candidate.peer_id >= me:
                 break
-            if candidate.address is not None and await self._is_ready(candidate, key):
-                return candidate.peer_id
+            asked: _Candidate | None = candidate
+            for _ in range(_MAX_REDIRECTS):
+                if asked is None or asked.address is None or asked.peer_id == me:
+                    break
+                answer = await self._probe(asked, key)
+                if answer is True:
+                    return asked
+                asked = answer if isinstance(answer, _Candidate) else None
         return None
+
+    async def _probe(self, candidate: _Candidate, key: str) -> bool | _Candidate:
+        """Ask ``candidate`` to lead us: True, False, or the leader it elected."""
+        if candidate.address is None:
+            return False
+        announcement = _capacity_to_wire(self._capacity())
+        announcement["a"] = None if self.client_mode else str(self.dht.address)
+        request = {"k": key, "c": announcement}
+        try:
+            reply = await self.dht.node.call(
+                candidate.address.with_peer(candidate.peer_id),
+                READY_METHOD,
+                request,
+                timeout=self.config.ready_timeout,
+            )
+        except P2PTrainError as exc:
+            logger.debug("%s is not ready for %s: %s", candidate.peer_id.short, key, exc)
+            return False
+        body = reply.body
+        if body is True:
+            return True
+        if isinstance(body, dict) and isinstance(body.get("l"), bytes):
+            try:
+                leader = PeerID(body["l"])
+            except P2PTrainError:
+                return False
+            return _parse_announcement(leader, {"a": body.get("a"), "u": 1.0, "d": 1.0}) or False
+        return False
 
     async def _lead(
         self,
@@ -348,10 +437,22 @@ class Matchmaker:
         target_batch_size: int,
     ) -> None:
         me = self.dht.peer_id
+        # Candidates that asked us while we gathered join those we read.
+        known = {c.peer_id: c for c in candidates}
+        for peer, asker in self._asked.get(key, {}).items():
+            if len(known) >= self.config.target_group_size:
+                break
+            known.setdefault(peer, asker)
+        candidates = sorted(known.values(), key=lambda c: c.peer_id)
         others = [c for c in candidates if c.peer_id != me]
         alive = await asyncio.gather(*(self._is_ready(c, key) for c in others))
-        members = [c for c in candidates if c.peer_id == me]
+        members = [c for c in candidates if c.peer_id == me] or [self._me()]
         members += [c for c, ok in zip(others, alive, strict=True) if ok]
+        # Those that asked us while we checked were told we lead: they are live.
+        for peer, asker in self._asked.get(key, {}).items():
+            if peer not in known and len(members) < self.config.target_group_size:
+                members.append(asker)
+        self._sealed.add(key)
         members.sort(key=lambda c: c.peer_id)
         plan: GroupPlan | None = None
         if len(members) >= self.config.min_group_size:
@@ -450,8 +551,23 @@ class Matchmaker:
     # -- handlers ------------------------------------------------------------------------
 
     async def _on_ready(self, ctx: CallContext, request: Message) -> Message:
-        waiter = self._waiting.get(request.body) if isinstance(request.body, str) else None
-        return Message(waiter is not None and not waiter.done())
+        body = request.body
+        key = body.get("k") if isinstance(body, dict) else body
+        waiter = self._waiting.get(key) if isinstance(key, str) else None
+        ready = waiter is not None and not waiter.done() and key not in self._sealed
+        leader = self._leader.get(key) if isinstance(key, str) else None
+        if ready and leader is not None and leader.peer_id != ctx.peer:
+            # Promised to the leader we elected: name it to an asker that wants a leader.
+            if isinstance(body, dict):
+                address = None if leader.address is None else str(leader.address)
+                return Message({"l": leader.peer_id.digest, "a": address})
+            return Message(False)
+        if ready and isinstance(body, dict) and isinstance(key, str):
+            asker = _parse_announcement(ctx.peer, body.get("c"))
+            asked = self._asked.get(key)
+            if asker is not None and asked is not None and len(asked) < _MAX_ASKED:
+                asked[asker.peer_id] = asker
+        return Message(ready)
 
     async def _on_plan(self, ctx: CallContext, request: Message) -> Message:
         body = request.body
@@ -460,6 +576,9 @@ class Matchmaker:
         waiter = self._waiting.get(body["k"])
         if waiter is None or waiter.done():
             return Message(False)
+        leader = self._leader.get(body["k"])
+        if leader is not None and leader.peer_id != ctx.peer:
+            return Message(False)  # we wait for the plan of the leader we elected
         plan = None if body.get("plan") is None else plan_from_wire(body["plan"])
         if plan is not None and (
             plan.index_of(self.dht.peer_id) is None or plan.index_of(ctx.peer) is None

@@ -123,8 +123,13 @@ _UNRESPONSIVE_MAX = 4096
 _VERIFIED_S = 600.0
 """Seconds a caller that answered at its announced address is believed there."""
 _VERIFIED_MAX = 4096
-_HOLDERS_S = 30.0
-"""Seconds a read with ``latest`` asks the replicas a lookup found, without a new lookup."""
+_HOLDERS_S = 3.0
+"""Seconds a read with ``latest`` asks the replicas a lookup found, without a new lookup.
+
+Short: the replicas one lookup finds on young routing tables can miss some a
+writer's lookup stored on (in a simulated swarm of 128, a column's
+announcements stayed unread for its whole 10 s window with 30 s here); a
+fresh lookup every few seconds reads them."""
 _HOLDERS_MAX = 1024
 _TIMER_SLACK_S = 1e-6
 """A wait that ends this close to its deadline counts as having reached it."""

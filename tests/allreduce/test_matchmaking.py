@@ -107,6 +107,25 @@ async def test_a_peer_that_left_after_announcing_is_dropped(swarm: list[Peer]) -
     assert {m.peer_id for m in plans[0].members} == {p.node.peer_id for p in stayers}
 
 
+async def test_a_leader_whose_reads_miss_the_others_still_takes_those_that_ask_it(
+    swarm: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A DHT read can miss announcements (a replica that has not stored them);
+    # the peers that elected the leader tell it themselves through mm.ready.
+    leader = min(swarm, key=lambda p: p.node.peer_id)
+    monkeypatch.setattr(leader.matchmaker, "config", replace(FAST, window=1.5))
+
+    async def blind(key: str) -> object:
+        return leader.matchmaker._with_known(key, {})  # sees only itself and its askers
+
+    monkeypatch.setattr(leader.matchmaker, "_read", blind)
+    plans = await asyncio.gather(
+        *(p.matchmaker.form_group("run/blind", num_elements=64) for p in swarm)
+    )
+    assert len({p.round_id for p in plans}) == 1
+    assert {m.peer_id for m in plans[0].members} == {p.node.peer_id for p in swarm}
+
+
 async def test_alone_is_too_few(swarm: list[Peer]) -> None:
     with pytest.raises(MatchmakingError, match="too few"):
         await swarm[0].matchmaker.form_group("run/lonely", num_elements=8)
