@@ -301,19 +301,10 @@ def run_training_peer(
     import torch  # noqa: PLC0415 - slow import, only for training
 
     from p2ptrain.app.collectors import dht_collector, nat_collector, node_collector  # noqa: PLC0415
-    from p2ptrain.app.device import training_device  # noqa: PLC0415 - imports torch
-    from p2ptrain.app.task import load_task  # noqa: PLC0415 - imports torch
     from p2ptrain.metrics import MetricsServer  # noqa: PLC0415
     from p2ptrain.peer import Peer  # noqa: PLC0415
 
-    # Every peer of a run builds the model from the same random state, so that
-    # a task that does not seed its initialisation still starts each run from
-    # one set of parameters; then each peer draws its own randomness again.
-    torch.manual_seed(_seed(config.run_id))
-    task = load_task(config.task)
-    torch.manual_seed(_seed(os.urandom(16).hex()))
-    device = training_device(config.device)
-    task.model.to(device)  # in place: the task's optimizer keeps its parameters
+    task, device = _task_on_device(config)
     emit = log or (lambda event: None)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
@@ -350,6 +341,24 @@ def run_training_peer(
         }
     )
     return summary
+
+
+def _task_on_device(config: TrainingSessionConfig) -> tuple[TrainingTask, torch.device]:
+    """The session's task, its model moved to the session's device."""
+    import torch  # noqa: PLC0415 - slow import, only for training
+
+    from p2ptrain.app.device import training_device  # noqa: PLC0415 - imports torch
+    from p2ptrain.app.task import load_task  # noqa: PLC0415 - imports torch
+
+    device = training_device(config.device)  # a bad name fails before the task loads
+    # Every peer of a run builds the model from the same random state, so that
+    # a task that does not seed its initialisation still starts each run from
+    # one set of parameters; then each peer draws its own randomness again.
+    torch.manual_seed(_seed(config.run_id))
+    task = load_task(config.task)
+    torch.manual_seed(_seed(os.urandom(16).hex()))
+    task.model.to(device)  # in place: the task's optimizer keeps its parameters
+    return task, device
 
 
 def _peer_config(config: TrainingSessionConfig) -> PeerConfig:
