@@ -246,6 +246,8 @@ class Matchmaker:
         self._sealed: set[str] = set()
         # The leader this peer elected per key: it answers and takes plans from it only.
         self._leader: dict[str, _Candidate] = {}
+        # Keys whose group this peer has begun to lead.
+        self._leading: set[str] = set()
         handlers = dht.node.handlers
         handlers.add_unary(READY_METHOD, self._on_ready)
         handlers.add_unary(PLAN_METHOD, self._on_plan)
@@ -292,11 +294,12 @@ class Matchmaker:
         try:
             await self._announce(key)
             candidates = await self._gather(key, expected, due)
-            if not self.client_mode and not waiter.done():  # no plan arrived yet
+            # A leader that checked us while we gathered has our word: we wait for its plan.
+            if not self.client_mode and not waiter.done() and key not in self._leader:
                 leader = await self._elect(key, candidates)
                 if leader is not None:
                     self._leader[key] = leader
-                elif not waiter.done():  # a plan may have come while we asked
+                elif not waiter.done() and key not in self._leader:
                     await self._lead(
                         key,
                         candidates,
@@ -317,6 +320,7 @@ class Matchmaker:
             self._asked.pop(key, None)
             self._sealed.discard(key)
             self._leader.pop(key, None)
+            self._leading.discard(key)
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -437,6 +441,7 @@ class Matchmaker:
         target_batch_size: int,
     ) -> None:
         me = self.dht.peer_id
+        self._leading.add(key)
         # Candidates that asked us while we gathered join those we read.
         known = {c.peer_id: c for c in candidates}
         for peer, asker in self._asked.get(key, {}).items():
@@ -505,6 +510,10 @@ class Matchmaker:
         fits = int(slowest * cfg.chunk_seconds / max(bytes_per_element, 1.0))
         return min(cfg.chunk_elements, max(MIN_CHUNK_ELEMENTS, fits))
 
+    def _check_request(self, key: str) -> dict[str, Any]:
+        """A leader's ``mm.ready`` check: the key and where to find this leader."""
+        return {"k": key, "lead": None if self.client_mode else str(self.dht.address)}
+
     async def _is_ready(self, candidate: _Candidate, key: str) -> bool:
         if candidate.address is None:
             return await self._client_is_ready(candidate, key)
@@ -512,7 +521,7 @@ class Matchmaker:
             reply = await self.dht.node.call(
                 candidate.address.with_peer(candidate.peer_id),
                 READY_METHOD,
-                key,
+                self._check_request(key),
                 timeout=self.config.ready_timeout,
             )
         except P2PTrainError as exc:
@@ -526,7 +535,9 @@ class Matchmaker:
         if conn is None:
             return False
         try:
-            reply = await conn.call(READY_METHOD, key, timeout=self.config.ready_timeout)
+            reply = await conn.call(
+                READY_METHOD, self._check_request(key), timeout=self.config.ready_timeout
+            )
         except P2PTrainError:
             return False
         return reply.body is True
@@ -562,7 +573,19 @@ class Matchmaker:
                 address = None if leader.address is None else str(leader.address)
                 return Message({"l": leader.peer_id.digest, "a": address})
             return Message(False)
-        if ready and isinstance(body, dict) and isinstance(key, str):
+        checking = not isinstance(body, dict) or "lead" in body
+        if ready and checking and isinstance(key, str):
+            # A leader checks that we are live for its group. Saying yes is a
+            # promise: we must not then lead a group of our own (a lone one
+            # would give up while the leader's round waits for our part).
+            if key in self._leading:
+                return Message(False)
+            if leader is None:
+                lead = body.get("lead") if isinstance(body, dict) else None
+                self._leader[key] = _parse_announcement(
+                    ctx.peer, {"a": lead, "u": 1.0, "d": 1.0}
+                ) or _Candidate(ctx.peer, None, PeerCapacity(1.0, 1.0))
+        elif ready and isinstance(body, dict) and isinstance(key, str):
             asker = _parse_announcement(ctx.peer, body.get("c"))
             asked = self._asked.get(key)
             if asker is not None and asked is not None and len(asked) < _MAX_ASKED:

@@ -126,6 +126,34 @@ async def test_a_leader_whose_reads_miss_the_others_still_takes_those_that_ask_i
     assert {m.peer_id for m in plans[0].members} == {p.node.peer_id for p in swarm}
 
 
+async def test_a_peer_a_leader_checked_waits_for_its_plan_instead_of_leading_alone(
+    swarm: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loaded-machine race: the leader checks a peer, then plans slowly; the
+    # peer's own reads miss the leader and its window ends before the plan.
+    # Having said it was ready, the peer must wait for that plan: leading alone
+    # it gave up ("too few live peers") while the leader's round waited for it.
+    leader, follower = sorted(swarm[:2], key=lambda p: p.node.peer_id)
+    monkeypatch.setattr(leader.matchmaker, "config", replace(FAST, window=0.3))
+    monkeypatch.setattr(follower.matchmaker, "config", replace(FAST, window=0.9))
+    plan_slowly = leader.matchmaker._plan
+
+    async def slow_plan(*args: object, **kwargs: object) -> GroupPlan:
+        await asyncio.sleep(1.5)  # the follower's window ends meanwhile
+        return await plan_slowly(*args, **kwargs)  # type: ignore[arg-type]
+
+    async def blind(key: str) -> object:
+        return follower.matchmaker._with_known(key, {})
+
+    monkeypatch.setattr(leader.matchmaker, "_plan", slow_plan)
+    monkeypatch.setattr(follower.matchmaker, "_read", blind)
+    plans = await asyncio.gather(
+        *(p.matchmaker.form_group("run/checked", num_elements=64) for p in (leader, follower))
+    )
+    assert plans[0].round_id == plans[1].round_id
+    assert {m.peer_id for m in plans[0].members} == {leader.node.peer_id, follower.node.peer_id}
+
+
 async def test_alone_is_too_few(swarm: list[Peer]) -> None:
     with pytest.raises(MatchmakingError, match="too few"):
         await swarm[0].matchmaker.form_group("run/lonely", num_elements=8)

@@ -7,7 +7,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 from torch import nn
-from train_worker import FAST_PROGRESS, backward, dataset, loss_of, make_model, peer_config, rows
+from train_worker import (
+    PATIENT_MATCHMAKING,
+    PATIENT_PROGRESS,
+    backward,
+    dataset,
+    loss_of,
+    make_model,
+    peer_config,
+    rows,
+)
 from training_peers import in_threads
 
 from p2ptrain.peer import Peer
@@ -26,9 +35,11 @@ HELD_OUT = slice(2 * BATCH * LOCAL_STEPS, 2 * BATCH * LOCAL_STEPS + 1024)
 
 @pytest.fixture
 def pair() -> Iterator[list[Peer]]:
-    first = Peer(peer_config())
+    # Every round must hold both peers (the byte count and the rounds are
+    # exact): the library's patience for a live but slow member, not FAST's.
+    first = Peer(peer_config(matchmaking=PATIENT_MATCHMAKING))
     first.start()
-    second = Peer(peer_config((first.address,)))
+    second = Peer(peer_config((first.address,), PATIENT_MATCHMAKING))
     try:
         second.start()
         yield [first, second]
@@ -75,7 +86,7 @@ def test_diloco_sends_h_times_less_and_still_learns(pair: list[Peer]) -> None:
                 run_id="plain",
                 target_batch_size=2 * BATCH,
                 max_local_samples_per_step=BATCH,
-                progress=FAST_PROGRESS,
+                progress=PATIENT_PROGRESS,
             ),
         )
         for m, p in zip(plain_models, pair, strict=True)
@@ -90,7 +101,7 @@ def test_diloco_sends_h_times_less_and_still_learns(pair: list[Peer]) -> None:
         DiLoCoOptimizer(
             torch.optim.AdamW(m.parameters(), lr=1e-2),
             peer=p,
-            config=DiLoCoConfig(run_id="diloco", inner_steps=H, progress=FAST_PROGRESS),
+            config=DiLoCoConfig(run_id="diloco", inner_steps=H, progress=PATIENT_PROGRESS),
         )
         for m, p in zip(models, pair, strict=True)
     ]
@@ -113,7 +124,7 @@ def test_overlapped_diloco_keeps_one_round_start_and_learns(pair: list[Peer]) ->
     # overshoots (measured: held-out loss 0.24 vs 0.04 synchronous here); half
     # the outer lr trains as well as synchronous DiLoCo (0.023).
     config = DiLoCoConfig(
-        run_id="overlap", inner_steps=H, progress=FAST_PROGRESS, overlap=True, outer_lr=0.35
+        run_id="overlap", inner_steps=H, progress=PATIENT_PROGRESS, overlap=True, outer_lr=0.35
     )
     diloco = [
         DiLoCoOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), peer=p, config=config)
