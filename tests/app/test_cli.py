@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ChildLines, cli_process
+from conftest import ChildLines, cli_process, stop_all
 
 from p2ptrain.aio import run
 from p2ptrain.app.cli import BENCHMARKS, main
@@ -125,9 +125,7 @@ def test_bootstrap_prints_a_joinable_address() -> None:
         # it joined through the first
         assert "ready" in second.next_line(time.monotonic() + 60)
     finally:
-        for proc in (second, boot):
-            if proc is not None:
-                proc.stop()
+        stop_all([second, boot])
 
 
 def test_bootstrap_answers_stun_on_the_port_it_prints() -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import ChildLines, cli_process
+from conftest import ChildLines, cli_process, stop_all
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
@@ -23,8 +23,7 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 def procs() -> Iterator[list[ChildLines]]:
     started: list[ChildLines] = []
     yield started
-    for proc in reversed(started):
-        proc.stop()
+    stop_all(started)
 
 
 def scrape(port: int) -> dict[str, float]:

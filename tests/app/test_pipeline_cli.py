@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import ChildLines, cli_process
+from conftest import ChildLines, cli_process, stop_all
 
 from p2ptrain.app.pipeline import model_of, stage_bytes
 from p2ptrain.app.task import load_pipeline_task
@@ -76,9 +76,7 @@ def swarm() -> Iterator[Swarm]:
         found.address = boot.next_line(deadline).split("--join", 1)[1].strip()
         yield found
     finally:
-        for proc in found.procs.values():
-            proc.stop()
-        boot.stop()
+        stop_all([*found.procs.values(), boot])
 
 
 def test_the_model_exceeds_every_peers_budget_but_each_stage_fits() -> None:

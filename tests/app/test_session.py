@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ChildLines, cli_process
+from conftest import ChildLines, cli_process, stop_all
 from test_task import documented_example
 
 from p2ptrain.app.cli import main
@@ -28,8 +28,7 @@ from p2ptrain.train.progress import PeerProgress
 def procs() -> Iterator[list[ChildLines]]:
     started: list[ChildLines] = []
     yield started
-    for proc in reversed(started):
-        proc.stop()
+    stop_all(started)
 
 
 def _wait_for_joint_step(peer: ChildLines, deadline: float) -> dict[str, Any]:
