@@ -254,14 +254,19 @@ class Connection:
         self._tasks.spawn(self._close_after_grace(grace_s), name="conn-goaway")
 
     async def _close_after_grace(self, grace_s: float) -> None:
+        announced = self._loop.time()
         while not self.closed:
             idle_since = self.idle_since
             now = self._loop.time()
-            if idle_since is not None and now - idle_since >= grace_s:
+            if idle_since is None:  # a stream is open: check again after the grace
+                await asyncio.sleep(grace_s)
+                continue
+            # Idle counts from the announcement: the remote's OPEN may be in flight.
+            waited = now - max(idle_since, announced)
+            if waited >= grace_s:
                 await self.aclose()
                 return
-            wait = grace_s if idle_since is None else grace_s - (now - idle_since)
-            await asyncio.sleep(max(wait, 0.01))
+            await asyncio.sleep(max(grace_s - waited, 0.01))
 
     async def aclose(self) -> None:
         """Close: reset open streams, stop handlers, tear the transport down."""

@@ -163,7 +163,9 @@ def test_a_call_racing_an_idle_close_is_served_and_the_caller_closes_after() -> 
         for node in (other, third):
             await node.start()
         await other.call(hub.address, "echo", None, b"warm")
-        await asyncio.sleep(2.0)  # virtual: idle for longer than min_idle_s
+        # Virtual seconds: idle for longer than min_idle_s, and than the grace
+        # after which the closer closes a connection the remote left open.
+        await asyncio.sleep(2 * NodeConfig().idle_close_grace_s)
         await hub.connect(third.address)  # the hub's pool overflows: it closes the idle one
         conn = other.connection_to(hub.peer_id)
         assert conn is not None  # the close has not reached ``other`` yet
