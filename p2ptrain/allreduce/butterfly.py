@@ -62,6 +62,7 @@ from p2ptrain.allreduce.report import AllReduceReport, ShardReport
 from p2ptrain.allreduce.vector import pooled_vector
 from p2ptrain.errors import (
     ConfigError,
+    ConnectError,
     DeadlineExceededError,
     InvalidArgumentError,
     P2PTrainError,
@@ -286,7 +287,10 @@ class ButterflyRound:
             await stream.aclose()
 
     async def _open_stream(self, j: int) -> RPCStream:
-        """A stream to reducer ``j``; a failed dial is tried again until the reduce deadline.
+        """A stream to reducer ``j``; a lost one is tried again until the reduce deadline.
+
+        Tried again: a handshake that timed out, a connection closed under the
+        open. Not: a refused dial (nobody listens there).
 
         The reducer waits for this member's parts until then anyway (it can
         reach this member, so it does not drop it), and the whole group's
@@ -297,6 +301,8 @@ class ButterflyRound:
             remaining = max(self._round_deadline - self._loop.time(), 1e-3)
             try:
                 return await self.node.open_stream(member.dial_address, METHOD, timeout=remaining)
+            except ConnectError:
+                raise  # nobody listens there (refused): the member is down, not slow
             except (TransportError, UnavailableError) as exc:
                 retry_at = self._loop.time() + REDIAL_S
                 if retry_at >= self._reduce_deadline:
