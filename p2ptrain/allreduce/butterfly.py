@@ -62,6 +62,7 @@ from p2ptrain.allreduce.report import AllReduceReport, ShardReport
 from p2ptrain.allreduce.vector import pooled_vector
 from p2ptrain.errors import (
     ConfigError,
+    ConnectError,
     DeadlineExceededError,
     InvalidArgumentError,
     P2PTrainError,
@@ -87,6 +88,10 @@ ABSENT_CHECK_S = 2.0
 often whether they are reachable, and stops waiting for those that are not
 (a member of the plan that died before its first stream reached this owner,
 e.g. one whose own part is empty, so that nobody dials it)."""
+
+
+REDIAL_S = 1.0
+"""Seconds before a member dials a reducer again after failing to open its stream."""
 
 
 class RoundObserver:
@@ -258,10 +263,8 @@ class ButterflyRound:
 
     async def _exchange(self, j: int) -> None:
         """Send our parts of reducer ``j``'s shard and read back its averages."""
-        member = self.plan.members[j]
         try:
-            remaining = max(self._round_deadline - self._loop.time(), 1e-3)
-            stream = await self.node.open_stream(member.dial_address, METHOD, timeout=remaining)
+            stream = await self._open_stream(j)
         except P2PTrainError as exc:
             self._fail_reducer(j, f"cannot open a stream: {exc}", exc)
             return
@@ -282,6 +285,30 @@ class ButterflyRound:
         finally:
             stream.receive_payloads_into(None)  # no reference cycle keeps the round alive
             await stream.aclose()
+
+    async def _open_stream(self, j: int) -> RPCStream:
+        """A stream to reducer ``j``; a lost one is tried again until the reduce deadline.
+
+        Tried again: a handshake that timed out, a connection closed under the
+        open. Not: a refused dial (nobody listens there).
+
+        The reducer waits for this member's parts until then anyway (it can
+        reach this member, so it does not drop it), and the whole group's
+        result depends on that part: one lost handshake must not cost it.
+        """
+        member = self.plan.members[j]
+        while True:
+            remaining = max(self._round_deadline - self._loop.time(), 1e-3)
+            try:
+                return await self.node.open_stream(member.dial_address, METHOD, timeout=remaining)
+            except ConnectError:
+                raise  # nobody listens there (refused): the member is down, not slow
+            except (TransportError, UnavailableError) as exc:
+                retry_at = self._loop.time() + REDIAL_S
+                if retry_at >= self._reduce_deadline:
+                    raise
+                logger.info("round %s: dialing %d again: %s", self.plan.round_id.hex()[:8], j, exc)
+                await asyncio.sleep(REDIAL_S)
 
     async def _send_parts(self, j: int, stream: RPCStream, chunks: list[tuple[int, int]]) -> None:
         codec = codec_for(self.config.codec, self.config.block_size)

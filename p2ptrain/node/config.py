@@ -41,6 +41,9 @@ class NodeConfig:
             busy connections are never closed for this.
         min_idle_s: seconds a connection must have been idle to be closed
             for ``max_connections``.
+        idle_close_grace_s: such a close is graceful (the remote closes it when
+            its streams are done, see :meth:`~p2ptrain.rpc.connection.Connection.go_away`);
+            seconds without open streams after which this side closes it anyway.
         max_inbound: inbound connections held at once (in the handshake or
             authenticated); sockets beyond it are closed before any frame is read.
         max_inbound_per_source: inbound connections held at once from one
@@ -61,6 +64,7 @@ class NodeConfig:
     insecure_plaintext: bool = False
     max_connections: int = 256
     min_idle_s: float = 5.0
+    idle_close_grace_s: float = 10.0
     max_inbound: int = 1024
     max_inbound_per_source: int = 256
     memory_release_interval: float = 10.0
@@ -74,5 +78,5 @@ class NodeConfig:
             raise ConfigError("reuse_port needs SO_REUSEPORT, which this platform lacks")
         for name in ("max_connections", "max_inbound", "max_inbound_per_source"):
             check_integer(f"NodeConfig.{name}", getattr(self, name), at_least=1)
-        for name in ("min_idle_s", "memory_release_interval"):
+        for name in ("min_idle_s", "idle_close_grace_s", "memory_release_interval"):
             check_number(f"NodeConfig.{name}", getattr(self, name), at_least=0)

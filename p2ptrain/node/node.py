@@ -391,15 +391,15 @@ class Node:
 
     def _close_idle(self, *, keep: Connection) -> None:
         """Above ``max_connections``, close the connections idle longest (LRU)."""
-        excess = len(self._all) - self.config.max_connections
+        open_ = [c for c in self._all if not c.closed and not c.draining]
+        excess = len(open_) - self.config.max_connections
         if excess <= 0:
             return
         now = asyncio.get_running_loop().time()
         idle = [
             c
-            for c in self._all
+            for c in open_
             if c is not keep
-            and not c.closed
             and c.open_streams == 0
             and c.idle_since is not None
             and now - c.idle_since >= self.config.min_idle_s
@@ -409,8 +409,8 @@ class Node:
             logger.debug("closing idle connection to %s (pool full)", conn.remote_peer.short)
             if self._by_peer.get(conn.remote_peer) is conn:
                 del self._by_peer[conn.remote_peer]
-            if not self._tasks.closed:  # else aclose() closes it
-                self._tasks.spawn(conn.aclose(), name="close-idle")
+            # Gracefully: the remote may be opening a stream on it right now.
+            conn.go_away(self.config.idle_close_grace_s)
 
     def _forget(self, conn: Connection) -> None:
         if conn in self._all:

@@ -18,6 +18,13 @@ protocol violation.
 * ``WINDOW {n: bytes}`` returns flow-control credit (see :mod:`.stream`).
 * ``PING``/``PONG {n: nonce}`` measure liveness; ``GOAWAY`` announces a close.
 
+A node that closes an idle connection to make room (:meth:`Connection.go_away`)
+must not lose a stream the remote opened just before it learnt of the close
+(its OPEN may be in flight). So it only sends ``GOAWAY`` and keeps serving;
+the remote opens no more streams on the connection and closes it once its own
+streams are done. Should the remote not close it, the closer does after
+``goaway_grace_s`` without open streams.
+
 A protocol error confined to one stream resets that stream; a frame that
 breaks the connection's framing or state closes the connection. Either way
 the node keeps serving its other connections.
@@ -129,6 +136,9 @@ class Connection:
         self.last_received = self._loop.time()
         self.idle_since: float | None = self._loop.time()
         self.going_away = False
+        """The remote announced a close: open no more streams here."""
+        self.draining = False
+        """This side announced a close (:meth:`go_away`) and waits for the remote's."""
         self.rtt_s: float | None = None
         """The smallest PING round-trip time seen on this connection (None before one)."""
         self._close_callbacks: list[Callable[[Connection], None]] = []
@@ -226,6 +236,38 @@ class Connection:
         self.rtt_s = rtt if self.rtt_s is None else min(self.rtt_s, rtt)
         return rtt
 
+    def go_away(self, grace_s: float) -> None:
+        """Close gracefully: announce it, serve on, let the remote close.
+
+        The remote stops opening streams here when the ``GOAWAY`` arrives and
+        closes the connection when its streams are done; streams it opened
+        before are served. Should it not close, this side does once it has
+        had no open streams for ``grace_s`` seconds.
+        """
+        if self.closed or self.draining:
+            return
+        self.draining = True
+        try:
+            self._send_control(Frame(FrameType.GOAWAY, fields={"m": "idle"}))
+        except ConnectionClosedError:
+            return
+        self._tasks.spawn(self._close_after_grace(grace_s), name="conn-goaway")
+
+    async def _close_after_grace(self, grace_s: float) -> None:
+        announced = self._loop.time()
+        while not self.closed:
+            idle_since = self.idle_since
+            now = self._loop.time()
+            if idle_since is None:  # a stream is open: check again after the grace
+                await asyncio.sleep(grace_s)
+                continue
+            # Idle counts from the announcement: the remote's OPEN may be in flight.
+            waited = now - max(idle_since, announced)
+            if waited >= grace_s:
+                await self.aclose()
+                return
+            await asyncio.sleep(max(grace_s - waited, 0.01))
+
     async def aclose(self) -> None:
         """Close: reset open streams, stop handlers, tear the transport down."""
         if not self.closed:
@@ -278,6 +320,7 @@ class Connection:
                 waiter.set_result(None)
         elif kind is FrameType.GOAWAY:
             self.going_away = True
+            self._close_if_done()
         else:
             raise RemoteProtocolError(f"unexpected {kind.name} frame after the handshake")
 
@@ -541,6 +584,8 @@ class Connection:
     def _new_local_stream(self, method: str, timeout: float | None) -> RPCStream:
         if self.closed:
             raise UnavailableError(f"connection to {self.remote_peer.short} is closed")
+        if self.draining:
+            raise UnavailableError(f"closing the connection to {self.remote_peer.short}")
         if self.going_away:
             raise UnavailableError(f"{self.remote_peer.short} is closing the connection")
         sid = self._next_id
@@ -615,9 +660,22 @@ class Connection:
             del self._streams[stream.stream_id]
             if not self._streams:
                 self.idle_since = self._loop.time()
+                self._close_if_done()
 
     def _maybe_forget(self, stream: RPCStream) -> None:
         if stream.finished and self._streams.get(stream.stream_id) is stream:
             self._forget_stream(stream)
             if not self._streams:
                 self.idle_since = self._loop.time()
+                self._close_if_done()
+
+    def _close_if_done(self) -> None:
+        """After the remote's ``GOAWAY``: close once no stream is open here."""
+        if (
+            self.going_away
+            and not self._streams
+            and not self.closed
+            and not self._tasks.closed
+            and not any(t.get_name() == "conn-close" for t in self._tasks)
+        ):
+            self._tasks.spawn(self.aclose(), name="conn-close")

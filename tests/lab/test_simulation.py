@@ -137,6 +137,48 @@ def test_a_node_closes_its_longest_idle_connections_past_max_connections() -> No
     assert run_virtual(main()) <= 3
 
 
+def test_a_call_racing_an_idle_close_is_served_and_the_caller_closes_after() -> None:
+    """The node closing an idle connection for room must serve a stream already in flight.
+
+    ``other`` opens a call on its pooled connection at the very moment the hub
+    closes that connection (the hub's pool overflows): the OPEN is on the wire
+    when the hub decides. Closing at once lost it ("closed the connection");
+    the hub now announces the close and serves on, and ``other`` closes the
+    connection when its call is done.
+    """
+
+    async def main() -> tuple[object, bool]:
+        net = SimNetwork()
+        link = LinkProfile.mbit(100, 100, 40)
+        hub = Node(
+            config=NodeConfig(host="10.0.1.1", max_connections=1, min_idle_s=1.0),
+            network=net.add_host("10.0.1.1", link),
+        )
+        await hub.start()
+        hub.handlers.add_unary("echo", _echo)
+        other, third = (
+            Node(config=NodeConfig(host=f"10.0.2.{i}"), network=net.add_host(f"10.0.2.{i}", link))
+            for i in range(2)
+        )
+        for node in (other, third):
+            await node.start()
+        await other.call(hub.address, "echo", None, b"warm")
+        # Virtual seconds: idle for longer than min_idle_s, and than the grace
+        # after which the closer closes a connection the remote left open.
+        await asyncio.sleep(2 * NodeConfig().idle_close_grace_s)
+        await hub.connect(third.address)  # the hub's pool overflows: it closes the idle one
+        conn = other.connection_to(hub.peer_id)
+        assert conn is not None  # the close has not reached ``other`` yet
+        reply = await conn.call("echo", None, b"racing")
+        await asyncio.sleep(1.0)
+        closed = conn.closed and hub.connection_to(other.peer_id) is None
+        for node in (hub, other, third):
+            await node.aclose()
+        return reply.body, closed
+
+    assert run_virtual(main()) == (len(b"racing"), True)
+
+
 # -- grouped averaging in the simulator ----------------------------------------------------
 
 
