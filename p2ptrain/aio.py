@@ -7,10 +7,18 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["BackgroundTasks", "LoopThread", "has_uvloop", "loop_factory", "run"]
+__all__ = [
+    "BackgroundTasks",
+    "LoopThread",
+    "duration_clock",
+    "has_uvloop",
+    "loop_factory",
+    "run",
+]
 
 T = TypeVar("T")
 
@@ -24,6 +32,17 @@ def has_uvloop() -> bool:
     except ImportError:
         return False
     return True
+
+
+def duration_clock(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
+    """The clock to time durations with on ``loop``.
+
+    ``time.perf_counter`` on a real loop (uvloop's ``loop.time()`` has
+    millisecond resolution, which made fast transfers last 0 s); the loop's
+    own clock where it says it is exact (``exact_time``: the simulator's
+    virtual clock, where wall time means nothing).
+    """
+    return loop.time if getattr(loop, "exact_time", False) else time.perf_counter
 
 
 def loop_factory(use_uvloop: bool | None = None) -> Callable[[], asyncio.AbstractEventLoop]:

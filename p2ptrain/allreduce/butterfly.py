@@ -35,12 +35,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from p2ptrain.aio import duration_clock
 from p2ptrain.allreduce.aggregation import all_finite
 from p2ptrain.allreduce.compression import KEY_CODEC, NoneCodec
 from p2ptrain.allreduce.config import AllReduceConfig
@@ -199,9 +199,10 @@ class ButterflyRound:
         self._closed = False
         self._loop = asyncio.get_running_loop()
         self._start = self._loop.time()
-        # Durations come from perf_counter: uvloop's loop.time() has millisecond
-        # resolution, which made a fast round's total_s 0.0.
-        self._started = time.perf_counter()
+        # Durations come from perf_counter (uvloop's loop.time() has millisecond
+        # resolution, which made a fast round's total_s 0.0), or a virtual clock.
+        self._clock = duration_clock(self._loop)
+        self._started = self._clock()
         self._reduce_deadline = self._start + plan.reduce_timeout
         self._round_deadline = self._start + plan.round_timeout
         self._parts_sent_at = self._start
@@ -251,7 +252,7 @@ class ButterflyRound:
             if any(c is None for c in received):
                 self._fail_reducer(j, "round_timeout passed before every average arrived")
         end = self._loop.time()
-        total_s = time.perf_counter() - self._started
+        total_s = self._clock() - self._started
         if any(self._claimed_upto[j] > self._results_read[j] for j in self._received):
             # A result may still be landing in the output: hand out a copy.
             out, self.out = self.out, pooled_vector(self.plan.num_elements)
@@ -335,7 +336,7 @@ class ButterflyRound:
                 self._results_read[j] = k + 1
                 self._payload_read(message.payload)
                 if _nbytes(message.payload):
-                    self._results_in[j].read(_nbytes(message.payload), time.perf_counter())
+                    self._results_in[j].read(_nbytes(message.payload), self._clock())
                 self._mark(self._recv_span)
                 result = parse_result(
                     message.body, num_chunks=len(chunks), group_size=self.plan.size
@@ -499,7 +500,7 @@ class ButterflyRound:
                 return
             self._payload_read(message.payload)
             if _nbytes(message.payload):
-                timer.read(_nbytes(message.payload), time.perf_counter())
+                timer.read(_nbytes(message.payload), self._clock())
             try:
                 ack = parse_timing(message.body)
                 if ack is not None:
@@ -647,18 +648,18 @@ class ButterflyRound:
 
     def _part_arriving(self, timer: ArrivalTimer, body: object, nbytes: int) -> None:
         self._payload_arriving()
-        timer.arriving(time.perf_counter())
+        timer.arriving(self._clock())
 
     def _payload_arriving(self) -> None:
         if self._arriving == 0:
-            self._arriving_since = time.perf_counter()
+            self._arriving_since = self._clock()
         self._arriving += 1
 
     def _payload_read(self, payload: bytes | bytearray | memoryview) -> None:
         if self._arriving > 0 and _nbytes(payload) > 0:
             self._arriving -= 1
             if self._arriving == 0:
-                self._download_s += time.perf_counter() - self._arriving_since
+                self._download_s += self._clock() - self._arriving_since
 
     def _mark(self, span: list[float]) -> None:
         now = self._loop.time()

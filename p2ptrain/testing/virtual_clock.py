@@ -85,6 +85,9 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         start: The clock's value at creation (seconds).
     """
 
+    exact_time = True
+    """Durations are timed on this clock (:func:`p2ptrain.aio.duration_clock`)."""
+
     def __init__(self, start: float = 0.0) -> None:
         self._virtual_now = float(start)
         self._threads_busy = 0

@@ -278,6 +278,47 @@ def test_gather_only_rounds_return_each_part_as_its_owners_values() -> None:
         assert torch.equal(out, expected)
 
 
+def test_a_simulated_round_is_timed_and_measured_on_the_virtual_clock() -> None:
+    """The round's report and its stream timings read the virtual clock: a round
+    that moves megabytes over 8 Mbit/s links lasts virtual seconds, while the
+    simulation takes a fraction of that in wall time (perf_counter would say)."""
+
+    async def main() -> tuple[float, list[object]]:
+        from p2ptrain.allreduce.group import GroupMember, GroupPlan
+
+        loop = asyncio.get_running_loop()
+        net = SimNetwork()
+        link = LinkProfile.mbit(80, 8, 20)  # 1 MB/s up
+        nodes = []
+        for i in range(2):
+            host = f"10.0.4.{i}"
+            node = Node(config=NodeConfig(host=host), network=net.add_host(host, link))
+            await node.start()
+            nodes.append(node)
+        services = [AllReduceService(node) for node in nodes]
+        plan = GroupPlan.from_shares(
+            [GroupMember(n.peer_id, n.address) for n in nodes], [0.5, 0.5], 1_000_000
+        )
+        started = loop.time()
+        results = await asyncio.gather(
+            *(s.allreduce(plan, torch.ones(1_000_000), 1.0) for s in services)
+        )
+        elapsed = loop.time() - started
+        for node in nodes:
+            await node.aclose()
+        return elapsed, [report for _, report in results]
+
+    wall = time.perf_counter()
+    elapsed, reports = run_virtual(main())
+    wall = time.perf_counter() - wall
+    # Each member sends half of 4 MB (its part) and half back (the average): 4 s at 1 MB/s.
+    assert elapsed > 3.5 > wall
+    for report in reports:
+        assert report.total_s == pytest.approx(elapsed, rel=0.05)  # type: ignore[attr-defined]
+        # Time during which bytes were arriving: virtual seconds too.
+        assert 1.0 < report.receive_s <= elapsed  # type: ignore[attr-defined]
+
+
 def test_simulation_config_rejects_bad_values() -> None:
     with pytest.raises(P2PTrainError):
         SimulationConfig(peers=0)
