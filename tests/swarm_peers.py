@@ -76,6 +76,7 @@ def swarm(
     *,
     config: StageServerConfig | list[StageServerConfig] | None = None,
     model: PipelineModel | None = None,
+    stage_optimizer: Any = None,
 ) -> Iterator[tuple[Peer, list[Peer], list[StageServer]]]:
     """A trainer peer plus one serving peer per entry of ``stages`` (its stage index)."""
     model = model or mlp_model()
@@ -96,7 +97,12 @@ def swarm(
             peers.append(peer)
         for peer, stage, cfg in zip(peers, stages, configs, strict=True):
             server = StageServer(
-                peer=peer, model=model, stage=stage, make_optimizer=sgd, config=cfg
+                peer=peer,
+                model=model,
+                stage=stage,
+                make_optimizer=sgd,
+                config=cfg,
+                stage_optimizer=stage_optimizer,
             )
             server.start()
             servers.append(server)

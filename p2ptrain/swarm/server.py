@@ -355,7 +355,11 @@ class StageServer:
         # In the stepper thread, as aclose: cancelling the step loop does not stop a
         # hand-over it left running there, and a second one beside it averaged the
         # same step twice and counted its samples twice.
-        self._stepper.submit(self._leave).result()
+        self._stepper.submit(self._last_hand_over).result()
+        if self.peer.running:
+            with contextlib.suppress(TimeoutError, RuntimeError):
+                self.peer.run(self._withdraw_current(), timeout=10)
+        self._stepper.submit(self._shut_down).result()
         self._stepper.shutdown(wait=True)
 
     async def aclose(self) -> None:
@@ -364,7 +368,10 @@ class StageServer:
             return
         self._closed = True
         await self._stop_serving()
-        await asyncio.get_running_loop().run_in_executor(self._stepper, self._leave)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._stepper, self._last_hand_over)
+        await self._withdraw_current()
+        await loop.run_in_executor(self._stepper, self._shut_down)
         self._stepper.shutdown(wait=False)
 
     async def abort(self) -> None:
@@ -384,32 +391,43 @@ class StageServer:
         self._device.shutdown()
         self._stepper.shutdown(wait=False)
 
-    def _leave(self) -> None:
+    def _last_hand_over(self) -> None:
+        """Hand over what was committed since the last hand-over (stepper thread).
+
+        Before the withdrawal: the withdrawal announces every commit not yet
+        in a step as lost, and trainers replay lost commits, so a hand-over
+        after it could count in a step what a trainer also replays."""
         state = self._state
-        if state is not None:
-            pending = state.pending
-            try:
-                self._hand_over(state)
-            except P2PTrainError as exc:  # e.g. the peer's node is gone: nobody to average with
-                logger.warning(
-                    "stage %d: the last %d samples could not be handed over at close: %s",
-                    state.index,
-                    pending,
-                    exc,
-                )
-            state.copt.close()
+        if state is None:
+            return
+        pending = state.pending
+        try:
+            self._hand_over(state)
+        except P2PTrainError as exc:  # e.g. the peer's node is gone: nobody to average with
+            logger.warning(
+                "stage %d: the last %d samples could not be handed over at close: %s",
+                state.index,
+                pending,
+                exc,
+            )
+
+    async def _withdraw_current(self) -> None:
+        if self._state is not None:
+            await self._withdraw(self._state)
+
+    def _shut_down(self) -> None:
+        if self._state is not None:
+            self._state.copt.close()
         self._device.shutdown()
 
     async def _stop_serving(self) -> None:
+        """Stop the loops and take no more calls (nothing is committed after this)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         handlers = self.peer.node.handlers
         for method in (FORWARD_METHOD, BACKWARD_METHOD, RELEASE_METHOD, RECEIPTS_METHOD):
             handlers.remove(method)
-        state = self._state
-        if state is not None:
-            await self._withdraw(state)
         self._drop_held()
 
     async def _withdraw(self, state: _Stage) -> None:

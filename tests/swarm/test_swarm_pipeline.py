@@ -43,6 +43,30 @@ def test_every_committed_sample_is_counted_in_exactly_one_stage_step() -> None:
         assert counted[1] + counted[2] == delivered
 
 
+def test_close_hands_over_before_it_withdraws_so_no_commit_is_both_counted_and_lost() -> None:
+    # close() withdrew first (the withdrawal announces every commit not in a step
+    # as lost, and trainers replay lost commits), then handed over: the last
+    # hand-over's step counted what trainers were told to replay.
+    never = server_config(step_interval=30.0, handover_max_s=30.0)  # only close hands over
+    with swarm([0, 1], config=never, stage_optimizer=lambda opt, *_: LocalStageOptimizer(opt)) as (
+        trainer_peer,
+        _,
+        servers,
+    ):
+        trainer = make_trainer(trainer_peer)
+        for i in range(2):
+            trainer.step(*regression_batch(i), timeout=30)
+        trainer.close()
+        server = servers[1]
+        assert server.stats.samples_committed == 32 and server.stats.samples_in_steps == 0
+        server.close()
+        assert server.stats.samples_in_steps == 32  # the last hand-over stepped them
+        (receipts,) = server._past_receipts.values()
+        assert receipts.lost == ()
+        assert all(receipts.fate(seq) == "counted" for seq in range(1, receipts.contributed + 1))
+        assert receipts.contributed >= 1
+
+
 class _OneStepAtATime(LocalStageOptimizer):
     """Records step() calls that overlap; its first step in the stepper thread lasts 0.5 s."""
 
