@@ -119,6 +119,8 @@ async def _serve_p2ptrain(
     pool_bytes: int | None,
     plaintext: bool = False,
     crypto_offload: bool = True,
+    *,
+    pacing: bool = True,
 ) -> None:
     import msgpack
 
@@ -137,7 +139,8 @@ async def _serve_p2ptrain(
 
     loop = asyncio.get_running_loop()
     inputs = _Inputs()
-    config = AllReduceConfig()  # codec none, plain mean
+    # codec none, plain mean; kernel pacing of the round's streams unless turned off
+    config = AllReduceConfig() if pacing else AllReduceConfig(pacing_headroom=None)
     node_config = NodeConfig(host=host, insecure_plaintext=plaintext)
     if not crypto_offload:
         node_config = NodeConfig(
@@ -300,6 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="p2ptrain: every AES-GCM pass on the event loop (crypto_offload_bytes=None)",
     )
+    parser.add_argument(
+        "--no-pacing",
+        action="store_true",
+        help="p2ptrain: no kernel pacing of a round's streams (pacing_headroom=None)",
+    )
     args: Any = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     pool_bytes = None if args.pool_mib is None else args.pool_mib * (1 << 20)
@@ -326,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         pool_bytes,
                         args.insecure_plaintext,
                         not args.no_crypto_offload,
+                        pacing=not args.no_pacing,
                     )
                 )
             profiler.dump_stats(args.profile.format(pid=os.getpid()))
@@ -337,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     pool_bytes,
                     args.insecure_plaintext,
                     not args.no_crypto_offload,
+                    pacing=not args.no_pacing,
                 )
             )
     else:

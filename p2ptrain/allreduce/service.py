@@ -215,6 +215,7 @@ class AllReduceService:
             config=config,
             observer=observer,
             gather_only=gather_only,
+            upload_bytes_per_s=None if self.links is None else self.links.upload_bytes_per_s,
         )
         self._rounds[round_id] = round_
         for peer, reason in self._lost.pop(round_id, {}).items():
