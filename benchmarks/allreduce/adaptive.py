@@ -24,7 +24,9 @@ Same eight peers and tbf links as ``allreduce/hetero.py``, in fresh star labs:
 * **rtt**: a lab whose hosts delay their sends by ``rtt_ms / 2`` (round
   trip ``rtt_ms``), LP fed the configured rates plus each peer's largest RTT
   measured by PINGs (the model turns it into a latency term,
-  :func:`p2ptrain.allreduce.partition.latency_s`).
+  :func:`p2ptrain.allreduce.partition.latency_s`). Each peer is given its
+  configured rates as typed-in rates (it does not probe here), which its
+  rounds' kernel pacing uses.
 """
 
 from __future__ import annotations
@@ -116,11 +118,18 @@ class _Runner:
             if a[key] > b[key]
         ]
         self.drops.append(sum(int(d.rsplit(" ", 1)[1]) for d in drops))
+        uploads = [
+            reply["upload"]
+            for reply in self.group.request(
+                [{"cmd": "estimates"}] * len(self.group), timeout=self.timeout
+            )
+        ]
         self.log(
             f"  adaptive {label:<22}: {result.seconds:6.3f} s (predicted {predicted:.3f} s,"
             f" ×{result.seconds / predicted:.2f}); shares "
             + " ".join(f"{w:.2f}" for w in shares)
-            + f"; shaper drops: {', '.join(drops) or 'none'}"
+            + f"; shaper drops: {', '.join(drops) or 'none'}; upload estimates after (Mbit/s): "
+            + " ".join("-" if u is None else f"{u * 8e-6:.0f}" for u in uploads)
         )
         return result.seconds
 
@@ -279,6 +288,15 @@ def run_adaptive(
             timeout=timeout,
         )
         rtts = [reply["rtt"] for reply in replies]
+        # Fed the configured rates, as the LP is: each peer's typed-in rates
+        # (what its bulk streams are paced at; the plan below does not use them).
+        group.request(
+            [
+                {"cmd": "cap", "upload": c.upload_bytes_per_s, "download": c.download_bytes_per_s}
+                for c in configured
+            ],
+            timeout=timeout,
+        )
         log("  adaptive RTTs (ms): " + ", ".join(f"{x * 1e3:.1f}" for x in rtts))
         peers = [replace(c, rtt_s=rtt) for c, rtt in zip(configured, rtts, strict=True)]
         for mib in rtt_sizes_mib:

@@ -22,7 +22,7 @@ faults of the round, which show buffers that were not recycled.
 recorded in the peer's :class:`~p2ptrain.measure.estimates.LinkEstimator`
 (as a swarm peer's service does); ``estimates`` replies with what it would
 announce, ``probe`` runs the start-up probe against a peer into it, ``rtt``
-pings peers, ``forget`` starts a fresh estimator.
+pings peers, ``forget`` starts a fresh estimator, ``cap`` one with typed-in rates.
 
 gloo: ``init_process_group("gloo")`` through a TCP store at ``--master``
 (rank 0 hosts it); ``go`` runs ``all_reduce(SUM)`` on a fresh copy of the
@@ -125,7 +125,7 @@ async def _serve_p2ptrain(
     import msgpack
 
     from p2ptrain.allreduce import AllReduceConfig, AllReduceService, GroupPlan
-    from p2ptrain.measure import LinkEstimator
+    from p2ptrain.measure import EstimatorConfig, LinkEstimator
     from p2ptrain.measure.latency import measure_rtts
     from p2ptrain.measure.probe import probe_peers
     from p2ptrain.node.address import PeerAddress
@@ -165,6 +165,15 @@ async def _serve_p2ptrain(
             if command["cmd"] == "forget":
                 service.links = LinkEstimator()
                 write_message({"forgot": True})
+                continue
+            if command["cmd"] == "cap":  # typed-in rates: a fresh estimator capped at them
+                service.links = LinkEstimator(
+                    EstimatorConfig(
+                        upload_cap_bytes_per_s=command["upload"],
+                        download_cap_bytes_per_s=command["download"],
+                    )
+                )
+                write_message({"capped": True})
                 continue
             if command["cmd"] == "estimates":
                 links = service.links

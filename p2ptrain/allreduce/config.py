@@ -44,8 +44,9 @@ class AllReduceConfig:
             upload estimate times the stream's share of the bytes the peer
             uploads in the round (see :mod:`p2ptrain.allreduce.pacing`). It
             keeps concurrent TCP start-ups from overrunning a shallow uplink
-            queue. Needs an upload estimate (the service's ``links``); ``None``
-            turns pacing off. At least 1.
+            queue. Needs an upload capacity (the service's ``links``: its
+            latest probe or typed-in rate, ``upload_capacity_bytes_per_s``);
+            ``None`` turns pacing off. At least 1.
     """
 
     codec: str = "none"
