@@ -307,6 +307,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--shaped-only", action="store_true", help="run only the shaped-link part (root)"
     )
     parser.add_argument(
+        "--no-pacing",
+        action="store_true",
+        help="shaped part: no kernel pacing of p2ptrain's round streams (for comparison)",
+    )
+    parser.add_argument(
         "--skip-adaptive", action="store_true", help="leave out the measured/throttle/RTT scenarios"
     )
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one round may take")
@@ -401,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeats=args.hetero_repeats,
             timeout=args.timeout,
             log=lambda text: _log(args, text),
+            pacing=not args.no_pacing,
         )
     adaptive = None
     if hetero_result is not None and not args.skip_adaptive:
@@ -410,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeats=args.hetero_repeats,
             timeout=args.timeout,
             log=lambda text: _log(args, text),
+            pacing=not args.no_pacing,
         )
     ratios = loopback_report(args, series, hivemind_note) if series else {}
     if args.profile_dir and not args.json_only:

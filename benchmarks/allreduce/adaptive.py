@@ -24,7 +24,9 @@ Same eight peers and tbf links as ``allreduce/hetero.py``, in fresh star labs:
 * **rtt**: a lab whose hosts delay their sends by ``rtt_ms / 2`` (round
   trip ``rtt_ms``), LP fed the configured rates plus each peer's largest RTT
   measured by PINGs (the model turns it into a latency term,
-  :func:`p2ptrain.allreduce.partition.latency_s`).
+  :func:`p2ptrain.allreduce.partition.latency_s`). Each peer is given its
+  configured rates as typed-in rates (it does not probe here), which its
+  rounds' kernel pacing uses.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def _estimates(group: PeerGroup, scenario: Sequence[HeteroPeer], timeout: float)
 class _Runner:
     def __init__(  # noqa: PLR0917 - a private helper of this module
         self,
+        lab: StarLab,
         group: PeerGroup,
         addresses: list[Any],
         scenario: Sequence[HeteroPeer],
@@ -87,9 +90,11 @@ class _Runner:
         timeout: float,
         log: Callable[[str], None],
     ) -> None:
-        self.group, self.addresses, self.scenario = group, addresses, scenario
+        self.lab, self.group, self.addresses, self.scenario = lab, group, addresses, scenario
         self.chunk_bytes, self.timeout, self.log = chunk_bytes, timeout, log
         self.clients = [i for i, peer in enumerate(scenario) if peer.client]
+        self.drops: list[int] = []
+        """Packets the shapers (uploads and downloads) dropped in each round, in order."""
 
     def round(self, label: str, shares: Sequence[float], predicted: float, numel: int) -> float:
         plan = p2ptrain_plan(
@@ -102,12 +107,29 @@ class _Runner:
             predicted_s=predicted,
         )
         prepares = p2ptrain_prepares(plan)
+        before = self.lab.counters()
         result = run_round(
             self.group, prepares, prepare_timeout=self.timeout, round_timeout=self.timeout
         )
+        drops = [
+            f"{peer.name} {'up' if key == 'up_drops' else 'down'} {a[key] - b[key]}"
+            for peer, a, b in zip(self.scenario, self.lab.counters(), before, strict=True)
+            for key in ("up_drops", "down_drops")
+            if a[key] > b[key]
+        ]
+        self.drops.append(sum(int(d.rsplit(" ", 1)[1]) for d in drops))
+        uploads = [
+            reply["upload"]
+            for reply in self.group.request(
+                [{"cmd": "estimates"}] * len(self.group), timeout=self.timeout
+            )
+        ]
         self.log(
             f"  adaptive {label:<22}: {result.seconds:6.3f} s (predicted {predicted:.3f} s,"
-            f" ×{result.seconds / predicted:.2f}); shares " + " ".join(f"{w:.2f}" for w in shares)
+            f" ×{result.seconds / predicted:.2f}); shares "
+            + " ".join(f"{w:.2f}" for w in shares)
+            + f"; shaper drops: {', '.join(drops) or 'none'}; upload estimates after (Mbit/s): "
+            + " ".join("-" if u is None else f"{u * 8e-6:.0f}" for u in uploads)
         )
         return result.seconds
 
@@ -146,6 +168,7 @@ def run_adaptive(
     rtt_ms: float = 40.0,
     rtt_sizes_mib: Sequence[int] = (1, 16),
     scenario: Sequence[HeteroPeer] = SCENARIO,
+    pacing: bool = True,
 ) -> dict[str, Any]:
     """Run the measured, throttle and RTT scenarios; return their JSON fields."""
     numel = vector_bytes // 4
@@ -156,8 +179,8 @@ def run_adaptive(
     # -- measured, then throttle, on one lab --------------------------------------------------
     with StarLab(links) as lab, PeerGroup("p2ptrain-adaptive", env=env) as group:
         hosts = [lab.host_address(i) for i in range(len(scenario))]
-        addresses = start_p2ptrain(group, hosts, wrap=lab.argv, timeout=timeout)
-        runner = _Runner(group, addresses, scenario, chunk_bytes, timeout, log)
+        addresses = start_p2ptrain(group, hosts, wrap=lab.argv, timeout=timeout, pacing=pacing)
+        runner = _Runner(lab, group, addresses, scenario, chunk_bytes, timeout, log)
         runner.probe(range(len(scenario)))
         probed = _estimates(group, scenario, timeout)
         log(
@@ -180,6 +203,7 @@ def run_adaptive(
         out["measured_lp_s"] = round(statistics.median(achieved), 4)
         out["measured_predicted_s"] = round(statistics.median(predicted), 4)
         out["measured_runs_s"] = [round(x, 4) for x in achieved]
+        out["measured_drops"] = runner.drops[-repeats:]
         out["measured_rates_mbit"] = {
             p.name: {
                 "configured_up": p.link.upload_mbit,
@@ -207,7 +231,12 @@ def run_adaptive(
             shares, pred = runner.plan(vector_bytes)
             seconds = runner.round(f"throttle round {r}", shares, pred, numel)
             rounds.append(
-                {"round": r, "achieved_s": round(seconds, 4), "predicted_s": round(pred, 4)}
+                {
+                    "round": r,
+                    "achieved_s": round(seconds, 4),
+                    "predicted_s": round(pred, 4),
+                    "drops": runner.drops[-1],
+                }
             )
         after = rounds[throttle_after:]
         adapted = next(
@@ -249,8 +278,8 @@ def run_adaptive(
         PeerGroup("p2ptrain-rtt", env=env) as group,
     ):
         hosts = [lab.host_address(i) for i in range(len(scenario))]
-        addresses = start_p2ptrain(group, hosts, wrap=lab.argv, timeout=timeout)
-        runner = _Runner(group, addresses, scenario, chunk_bytes, timeout, log)
+        addresses = start_p2ptrain(group, hosts, wrap=lab.argv, timeout=timeout, pacing=pacing)
+        runner = _Runner(lab, group, addresses, scenario, chunk_bytes, timeout, log)
         replies = group.request(
             [
                 {"cmd": "rtt", "targets": [str(a) for j, a in enumerate(addresses) if j != i]}
@@ -259,6 +288,15 @@ def run_adaptive(
             timeout=timeout,
         )
         rtts = [reply["rtt"] for reply in replies]
+        # Fed the configured rates, as the LP is: each peer's typed-in rates
+        # (what its bulk streams are paced at; the plan below does not use them).
+        group.request(
+            [
+                {"cmd": "cap", "upload": c.upload_bytes_per_s, "download": c.download_bytes_per_s}
+                for c in configured
+            ],
+            timeout=timeout,
+        )
         log("  adaptive RTTs (ms): " + ", ".join(f"{x * 1e3:.1f}" for x in rtts))
         peers = [replace(c, rtt_s=rtt) for c, rtt in zip(configured, rtts, strict=True)]
         for mib in rtt_sizes_mib:
@@ -274,6 +312,8 @@ def run_adaptive(
                     "achieved_s": round(statistics.median(achieved), 4),
                     "predicted_s": round(pred, 4),
                     "predicted_without_latency_s": round(_plan(configured, size)[1], 4),
+                    "runs_s": [round(x, 4) for x in achieved],
+                    "drops": runner.drops[-repeats:],
                 }
             )
     out["rtt_rows"] = rows

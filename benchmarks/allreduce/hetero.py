@@ -221,6 +221,7 @@ def run_hetero(
     log: Callable[[str], None],
     scenario: Sequence[HeteroPeer] = SCENARIO,
     congestion_control: str | None = "cubic",
+    pacing: bool = True,
 ) -> HeteroResult:
     """Build the lab, run the p2ptrain rounds (LP and equal) and gloo's, tear it all down."""
     numel = vector_bytes // 4
@@ -233,7 +234,7 @@ def run_hetero(
         log(f"  star lab {lab.lab_id}: {len(scenario)} namespaces with tbf links")
         hosts = [lab.host_address(i) for i in range(len(scenario))]
         with PeerGroup("p2ptrain-hetero", env=env) as group:
-            addresses = start_p2ptrain(group, hosts, wrap=lab.argv, timeout=timeout)
+            addresses = start_p2ptrain(group, hosts, wrap=lab.argv, timeout=timeout, pacing=pacing)
             plans: dict[str, tuple[tuple[float, ...], float]] = {
                 "lp": (prediction.lp_shares, prediction.lp_s),
                 "equal": (prediction.equal_shares, prediction.equal_s),

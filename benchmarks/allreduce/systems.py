@@ -65,6 +65,7 @@ def start_p2ptrain(
     profile: str | None = None,
     insecure_plaintext: bool = False,
     crypto_offload: bool = True,
+    pacing: bool = True,
 ) -> list[PeerAddress]:
     """Start one p2ptrain node per host; return their addresses.
 
@@ -72,7 +73,8 @@ def start_p2ptrain(
     the library's default); ``profile`` is a cProfile output path for every
     peer (``{pid}`` expands); ``insecure_plaintext`` runs the peers with the
     trusted-cluster opt-out (no records after the handshake);
-    ``crypto_offload`` False keeps every AES-GCM pass on the peers' event loops.
+    ``crypto_offload`` False keeps every AES-GCM pass on the peers' event loops;
+    ``pacing`` False turns off the kernel pacing of the rounds' streams.
     """
     base = [sys.executable, "-m", WORKER, "p2ptrain", "--timeout", str(timeout)]
     if pool_mib is not None:
@@ -83,6 +85,8 @@ def start_p2ptrain(
         base += ["--insecure-plaintext"]
     if not crypto_offload:
         base += ["--no-crypto-offload"]
+    if not pacing:
+        base += ["--no-pacing"]
     argvs = [wrap(i, [*base, "--host", host]) for i, host in enumerate(hosts)]
     hellos = group.start(argvs, timeout=START_TIMEOUT)
     return [PeerAddress.parse(hello["hello"]) for hello in hellos]

@@ -22,7 +22,7 @@ faults of the round, which show buffers that were not recycled.
 recorded in the peer's :class:`~p2ptrain.measure.estimates.LinkEstimator`
 (as a swarm peer's service does); ``estimates`` replies with what it would
 announce, ``probe`` runs the start-up probe against a peer into it, ``rtt``
-pings peers, ``forget`` starts a fresh estimator.
+pings peers, ``forget`` starts a fresh estimator, ``cap`` one with typed-in rates.
 
 gloo: ``init_process_group("gloo")`` through a TCP store at ``--master``
 (rank 0 hosts it); ``go`` runs ``all_reduce(SUM)`` on a fresh copy of the
@@ -119,11 +119,13 @@ async def _serve_p2ptrain(
     pool_bytes: int | None,
     plaintext: bool = False,
     crypto_offload: bool = True,
+    *,
+    pacing: bool = True,
 ) -> None:
     import msgpack
 
     from p2ptrain.allreduce import AllReduceConfig, AllReduceService, GroupPlan
-    from p2ptrain.measure import LinkEstimator
+    from p2ptrain.measure import EstimatorConfig, LinkEstimator
     from p2ptrain.measure.latency import measure_rtts
     from p2ptrain.measure.probe import probe_peers
     from p2ptrain.node.address import PeerAddress
@@ -137,7 +139,8 @@ async def _serve_p2ptrain(
 
     loop = asyncio.get_running_loop()
     inputs = _Inputs()
-    config = AllReduceConfig()  # codec none, plain mean
+    # codec none, plain mean; kernel pacing of the round's streams unless turned off
+    config = AllReduceConfig() if pacing else AllReduceConfig(pacing_headroom=None)
     node_config = NodeConfig(host=host, insecure_plaintext=plaintext)
     if not crypto_offload:
         node_config = NodeConfig(
@@ -162,6 +165,15 @@ async def _serve_p2ptrain(
             if command["cmd"] == "forget":
                 service.links = LinkEstimator()
                 write_message({"forgot": True})
+                continue
+            if command["cmd"] == "cap":  # typed-in rates: a fresh estimator capped at them
+                service.links = LinkEstimator(
+                    EstimatorConfig(
+                        upload_cap_bytes_per_s=command["upload"],
+                        download_cap_bytes_per_s=command["download"],
+                    )
+                )
+                write_message({"capped": True})
                 continue
             if command["cmd"] == "estimates":
                 links = service.links
@@ -300,6 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="p2ptrain: every AES-GCM pass on the event loop (crypto_offload_bytes=None)",
     )
+    parser.add_argument(
+        "--no-pacing",
+        action="store_true",
+        help="p2ptrain: no kernel pacing of a round's streams (pacing_headroom=None)",
+    )
     args: Any = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     pool_bytes = None if args.pool_mib is None else args.pool_mib * (1 << 20)
@@ -326,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         pool_bytes,
                         args.insecure_plaintext,
                         not args.no_crypto_offload,
+                        pacing=not args.no_pacing,
                     )
                 )
             profiler.dump_stats(args.profile.format(pid=os.getpid()))
@@ -337,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     pool_bytes,
                     args.insecure_plaintext,
                     not args.no_crypto_offload,
+                    pacing=not args.no_pacing,
                 )
             )
     else:

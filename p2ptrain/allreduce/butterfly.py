@@ -45,6 +45,7 @@ from p2ptrain.allreduce.aggregation import all_finite
 from p2ptrain.allreduce.compression import KEY_CODEC, NoneCodec
 from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.group import GroupPlan
+from p2ptrain.allreduce.pacing import pacing_rates
 from p2ptrain.allreduce.protocol import (
     METHOD,
     Hello,
@@ -143,6 +144,7 @@ class ButterflyRound:
         config: AllReduceConfig,
         observer: RoundObserver | None = None,
         gather_only: bool = False,
+        upload_bytes_per_s: float | None = None,
     ) -> None:
         index = plan.index_of(node.peer_id)
         if index is None:
@@ -231,6 +233,17 @@ class ButterflyRound:
             self._absent = set(range(plan.size)) - {index}
         if self.reducer is not None and self.reducer.done:
             self._shard_done_at = self._start
+        self._pacing = (
+            None
+            if upload_bytes_per_s is None or config.pacing_headroom is None
+            else pacing_rates(
+                plan,
+                index,
+                sends_parts=weight > 0,
+                upload_bytes_per_s=upload_bytes_per_s,
+                headroom=config.pacing_headroom,
+            )
+        )
 
     # -- the call ----------------------------------------------------------------------
 
@@ -269,6 +282,7 @@ class ButterflyRound:
         except P2PTrainError as exc:
             self._fail_reducer(j, f"cannot open a stream: {exc}", exc)
             return
+        release = self._pace(stream, None if self._pacing is None else self._pacing.parts.get(j))
         try:
             chunks = self.plan.chunks(j)
             sends = self.weight > 0 and bool(chunks)
@@ -284,8 +298,16 @@ class ButterflyRound:
         except P2PTrainError as exc:
             self._fail_reducer(j, str(exc), exc)
         finally:
+            release()
             stream.receive_payloads_into(None)  # no reference cycle keeps the round alive
             await stream.aclose()
+
+    @staticmethod
+    def _pace(stream: RPCStream, bytes_per_s: float | None) -> Callable[[], None]:
+        """Pace ``stream``'s connection at ``bytes_per_s`` more; returns the release."""
+        if bytes_per_s is None:
+            return _nothing
+        return stream.connection.pace(bytes_per_s)
 
     async def _open_stream(self, j: int) -> RPCStream:
         """A stream to reducer ``j``; a lost one is tried again until the reduce deadline.
@@ -470,6 +492,9 @@ class ButterflyRound:
         self._acks_pending.add(sender)
         timer = self._parts_in[sender] = ArrivalTimer()
         stream.receive_payloads_into(functools.partial(self._part_arriving, timer))
+        release = self._pace(
+            stream, None if self._pacing is None else self._pacing.results.get(sender)
+        )
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._read_parts(sender, stream, reducer))
@@ -477,6 +502,7 @@ class ButterflyRound:
                 # (which counts it out) runs even when the handler is cancelled.
                 await self._write_results(sender, hello, stream, reducer)
         finally:
+            release()
             stream.receive_payloads_into(None)  # no reference cycle keeps the round alive
             # A handler cancelled with its dead connection never reads the error
             # from its stream: stop waiting for the parts it still owed (a no-op
@@ -728,6 +754,10 @@ class ButterflyRound:
                 t.timing() for t in [*self._results_in.values(), *self._parts_in.values()]
             ),
         )
+
+
+def _nothing() -> None:
+    """The release of a stream that is not paced."""
 
 
 def _finalized_past(reducer: ShardReducer, chunk: int) -> bool:

@@ -38,6 +38,15 @@ class AllReduceConfig:
         clip_radius: Clipping radius of ``centered_clip`` (L2 norm per chunk);
             ``None`` picks the median distance of the senders to the start
             point, a radius that bad senders in a minority cannot inflate.
+        pacing_headroom: Kernel pacing of this peer's bulk streams during the
+            round (Linux TCP, ``SO_MAX_PACING_RATE``; lifted when the round
+            ends): each stream is capped at this factor times the peer's
+            upload estimate times the stream's share of the bytes the peer
+            uploads in the round (see :mod:`p2ptrain.allreduce.pacing`). It
+            keeps concurrent TCP start-ups from overrunning a shallow uplink
+            queue. Needs an upload capacity (the service's ``links``: its
+            latest probe or typed-in rate, ``upload_capacity_bytes_per_s``);
+            ``None`` turns pacing off. At least 1.
     """
 
     codec: str = "none"
@@ -46,6 +55,7 @@ class AllReduceConfig:
     trim: int = 1
     clip_iterations: int = 3
     clip_radius: float | None = None
+    pacing_headroom: float | None = 1.25
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_NAMES:
@@ -62,3 +72,6 @@ class AllReduceConfig:
             "AllReduceConfig.clip_iterations", self.clip_iterations, at_least=1, at_most=1000
         )
         check_number("AllReduceConfig.clip_radius", self.clip_radius, allow_none=True)
+        check_number(
+            "AllReduceConfig.pacing_headroom", self.pacing_headroom, at_least=1.0, allow_none=True
+        )

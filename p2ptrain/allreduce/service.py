@@ -72,7 +72,9 @@ class AllReduceService:
         remember_rounds: Finished round ids remembered, so that late streams
             are refused at once and round ids are never reused.
         links: Where every round's receiver-timed streams are recorded (the
-            estimates this peer announces), or None.
+            estimates this peer announces), or None. Its upload capacity
+            (probe or typed-in rate) also paces the rounds' bulk streams
+            (``AllReduceConfig.pacing_headroom``).
         on_late: Called after a round that ran late against its prediction
             (the owner of ``links`` may probe again).
 
@@ -215,6 +217,9 @@ class AllReduceService:
             config=config,
             observer=observer,
             gather_only=gather_only,
+            upload_bytes_per_s=None
+            if self.links is None
+            else self.links.upload_capacity_bytes_per_s,
         )
         self._rounds[round_id] = round_
         for peer, reason in self._lost.pop(round_id, {}).items():

@@ -211,6 +211,7 @@ class LinkEstimator:
         self.config = config or EstimatorConfig()
         self._upload = _Direction()
         self._download = _Direction()
+        self._probed_upload: float | None = None  # the latest probe's upload
         self.needs_probe = False
         """Set by a late round: a probe should restore what the round could not show."""
 
@@ -263,7 +264,13 @@ class LinkEstimator:
         self, uploads: Iterable[StreamTiming], downloads: Iterable[StreamTiming]
     ) -> None:
         """A probe of one or more peers at once (it clears :attr:`needs_probe`)."""
+        uploads = list(uploads)
         self.observe(uploads=uploads, downloads=downloads)
+        probed = combined_rate(
+            uploads, min_bytes=self.config.min_bytes, min_seconds=self.config.min_seconds
+        )
+        if probed is not None:
+            self._probed_upload = probed
         self.needs_probe = False
 
     def record_upload(self, nbytes: int, seconds: float) -> None:
@@ -290,6 +297,18 @@ class LinkEstimator:
     def upload_bytes_per_s(self) -> float | None:
         """The upload rate to announce: measured, capped; the cap alone before a measurement."""
         return _capped(self._upload.value, self.config.upload_cap_bytes_per_s)
+
+    @property
+    def upload_capacity_bytes_per_s(self) -> float | None:
+        """The upload rate to pace bulk sends at: the latest probe's, capped; the cap alone before.
+
+        Only a probe (transfers sized and timed to fill the link) or a
+        typed-in rate counts here, not the rounds: a round's streams are
+        slowed by round trips and by the pacing itself, and pacing on the
+        rounds' figures slowed 16 MiB rounds at 40 ms RTT twofold
+        (docs/benchmarks.md). None: nothing to pace at.
+        """
+        return _capped(self._probed_upload, self.config.upload_cap_bytes_per_s)
 
     @property
     def download_bytes_per_s(self) -> float | None:

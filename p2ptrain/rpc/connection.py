@@ -125,6 +125,8 @@ class Connection:
         self._recv_frame_bytes = config.max_frame_bytes + RECORD_OVERHEAD
         transport.max_send_frame = remote.max_frame_bytes
         self._streams: dict[int, RPCStream] = {}
+        self._pacing: dict[int, float] = {}  # kernel pacing requests (bytes/s) by ticket
+        self._pacing_ticket = 0
         self._next_id = 1 if initiator else 2
         self._highest_remote_id = 0
         self._remote_parity = 0 if initiator else 1
@@ -267,6 +269,34 @@ class Connection:
                 await self.aclose()
                 return
             await asyncio.sleep(max(grace_s - waited, 0.01))
+
+    def pace(self, bytes_per_s: float) -> Callable[[], None]:
+        """Have the transport cap its send rate while the caller's bulk transfer runs.
+
+        Requests on one connection add up (e.g. parts to the remote and its
+        averages back, or two rounds at once); once every request is released
+        (call the returned function, once) the cap is lifted, so RPCs
+        between rounds are not slowed. A transport that cannot pace ignores it.
+        """
+        self._pacing_ticket += 1
+        ticket = self._pacing_ticket
+        self._pacing[ticket] = bytes_per_s
+        self._apply_pacing()
+
+        def release() -> None:
+            if self._pacing.pop(ticket, None) is not None:
+                self._apply_pacing()
+
+        return release
+
+    @property
+    def pacing_rate(self) -> float | None:
+        """The send-rate cap requested now, bytes/s (None: none)."""
+        return sum(self._pacing.values()) if self._pacing else None
+
+    def _apply_pacing(self) -> None:
+        if not self.closed:
+            self.transport.set_pacing_rate(self.pacing_rate)
 
     async def aclose(self) -> None:
         """Close: reset open streams, stop handlers, tear the transport down."""

@@ -144,6 +144,13 @@ class FrameTransport(abc.ABC):
     def send_frame_nowait(self, frame: Frame) -> int:
         """Queue a frame without waiting (never blocks); returns its wire size."""
 
+    def set_pacing_rate(self, bytes_per_s: float | None) -> bool:
+        """Cap the rate the channel sends at (None: no cap); returns whether it can.
+
+        Transports that cannot pace (this default) return False and send as before.
+        """
+        return False
+
     async def drained(self) -> None:
         """Wait until the send buffer is below its high-water mark again.
 

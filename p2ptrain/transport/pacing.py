@@ -31,12 +31,22 @@ from __future__ import annotations
 
 import array
 import contextlib
+import socket
+import struct
 import sys
+from typing import Protocol
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.validate import check_integer, check_number
 
-__all__ = ["BULK_FRAME_BYTES", "DEFAULT_PACE_TARGET_S", "SendPacer", "kernel_unsent_bytes"]
+__all__ = [
+    "BULK_FRAME_BYTES",
+    "DEFAULT_PACE_TARGET_S",
+    "SendPacer",
+    "kernel_pacing_rate",
+    "kernel_unsent_bytes",
+    "set_kernel_pacing_rate",
+]
 
 BULK_FRAME_BYTES = 64 * 1024
 """Frames whose payload is at least this large are paced; smaller ones never wait."""
@@ -44,7 +54,18 @@ BULK_FRAME_BYTES = 64 * 1024
 DEFAULT_PACE_TARGET_S = 0.02
 """Drain time of the bytes queued below a bulk frame before it is written (20 ms)."""
 
+
+class _SocketLike(Protocol):
+    """A socket, or asyncio's wrapper of one (what a transport hands out)."""
+
+    def setsockopt(self, level: int, option: int, value: bytes, /) -> None: ...
+
+    def getsockopt(self, level: int, option: int, buflen: int, /) -> bytes: ...
+
+
 _SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent
+_SO_MAX_PACING_RATE = 47  # Linux: the most bytes/s the kernel sends this socket at
+_UNLIMITED_RATE = 0xFFFF_FFFF  # the option's "no limit" (~0U)
 
 
 def kernel_unsent_bytes(fileno: int) -> int | None:
@@ -61,6 +82,42 @@ def kernel_unsent_bytes(fileno: int) -> int | None:
         fcntl.ioctl(fileno, _SIOCOUTQNSD, out, True)
         return out[0]
     return None
+
+
+def set_kernel_pacing_rate(sock: _SocketLike, bytes_per_s: float | None) -> bool:
+    """Let the kernel pace ``sock``'s sends at most at ``bytes_per_s`` (None: no limit).
+
+    Linux TCP paces a socket with ``SO_MAX_PACING_RATE`` set by itself, without
+    the ``fq`` qdisc: segments leave spaced at the rate instead of in bursts
+    of a congestion window (or of BBR's start-up at 2.89 times its estimate),
+    so a shallow shaper queue downstream is not overrun. Rates are clamped to
+    1 byte/s .. 4 GB/s (the 32-bit option). Returns whether the option was
+    set (False where the platform has no such option, or the socket refused).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    if bytes_per_s is None:
+        value = _UNLIMITED_RATE
+    else:
+        check_number("bytes_per_s", bytes_per_s, above=0.0)
+        value = min(max(round(bytes_per_s), 1), _UNLIMITED_RATE - 1)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, struct.pack("I", value))
+    except (OSError, ValueError):  # ValueError: a closed socket
+        return False
+    return True
+
+
+def kernel_pacing_rate(sock: _SocketLike) -> int | None:
+    """The socket's ``SO_MAX_PACING_RATE`` in bytes/s (None: unlimited or unknown)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, 8)
+    except (OSError, ValueError):
+        return None
+    value: int = struct.unpack("Q", raw)[0] if len(raw) == 8 else struct.unpack("I", raw)[0]
+    return None if value >= _UNLIMITED_RATE else value
 
 
 class SendPacer:

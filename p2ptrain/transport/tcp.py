@@ -25,7 +25,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 from p2ptrain.errors import (
     ConnectError,
@@ -40,7 +40,9 @@ from p2ptrain.transport.pacing import (
     BULK_FRAME_BYTES,
     DEFAULT_PACE_TARGET_S,
     SendPacer,
+    kernel_pacing_rate,
     kernel_unsent_bytes,
+    set_kernel_pacing_rate,
 )
 from p2ptrain.wire.frames import Buffer, Frame, FrameDecoder, PayloadAllocator, buffer_nbytes
 
@@ -83,6 +85,7 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         self._after_direct = False  # the last read went straight into a payload
         self._peername = "?"
         self._fileno: int | None = None  # for the kernel's unsent-bytes count
+        self._sock: Any = None  # the socket (asyncio's or uvloop's wrapper), for its options
         self._vectored = False  # writelines() sends its buffers without joining them
         self.pacer = None if pace_target_s is None else SendPacer(target_s=pace_target_s)
         """Paces bulk frames (None: pacing is off)."""
@@ -105,7 +108,7 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         self._vectored = type(transport).__module__.partition(".")[0] == "uvloop"
         peer = transport.get_extra_info("peername")
         self._peername = f"{peer[0]}:{peer[1]}" if peer else "?"
-        sock = transport.get_extra_info("socket")
+        sock = self._sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):  # not every socket supports it
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -282,6 +285,17 @@ class TCPTransport(FrameTransport, asyncio.BufferedProtocol):
         queued = transport.get_write_buffer_size() + unsent
         self.pacer.observe(asyncio.get_running_loop().time(), self.stats.bytes_sent, queued)
         return self.pacer.wait_s(queued)
+
+    def set_pacing_rate(self, bytes_per_s: float | None) -> bool:
+        """Cap the socket's send rate in the kernel (``SO_MAX_PACING_RATE``; None: no cap)."""
+        if self._sock is None or self.closed:
+            return False
+        return set_kernel_pacing_rate(self._sock, bytes_per_s)
+
+    @property
+    def kernel_pacing_rate(self) -> int | None:
+        """The socket's pacing cap as the kernel holds it, bytes/s (None: none, or unknown)."""
+        return None if self._sock is None or self.closed else kernel_pacing_rate(self._sock)
 
     async def drained(self) -> None:
         if not self._can_write.is_set():

@@ -111,6 +111,26 @@ def test_a_late_round_replaces_higher_estimates_at_once() -> None:
     assert links.upload_bytes_per_s == pytest.approx(0.9 * 40 * MB)  # decayed, not replaced
 
 
+def test_the_upload_capacity_comes_from_probes_and_typed_in_rates_not_rounds() -> None:
+    # A round's streams are slowed by round trips (and by the pacing that uses this
+    # figure): they must not set it, or a paced round would pace the next one slower.
+    links = LinkEstimator(EstimatorConfig(min_bytes=0))
+    links.record_upload(2 * MB, 1.0)  # a round, not a probe
+    assert links.upload_bytes_per_s == 2 * MB
+    assert links.upload_capacity_bytes_per_s is None
+    links.observe_probe([StreamTiming(30 * MB, 1.0), StreamTiming(20 * MB, 1.0)], [])
+    assert links.upload_capacity_bytes_per_s == 50 * MB
+    assert links.observe_round([StreamTiming(MB, 1.0)], [], total_s=9.0, predicted_s=1.0)
+    assert links.upload_bytes_per_s == MB  # late: the announced estimate drops
+    assert links.upload_capacity_bytes_per_s == 50 * MB  # until the next probe
+    links.observe_probe([StreamTiming(10 * MB, 1.0)], [])
+    assert links.upload_capacity_bytes_per_s == 10 * MB  # the latest probe, not the largest
+    capped = LinkEstimator(EstimatorConfig(upload_cap_bytes_per_s=5 * MB, min_bytes=0))
+    assert capped.upload_capacity_bytes_per_s == 5 * MB
+    capped.observe_probe([StreamTiming(9 * MB, 1.0)], [])
+    assert capped.upload_capacity_bytes_per_s == 5 * MB
+
+
 def test_a_typed_in_rate_is_a_cap_and_a_stand_in() -> None:
     links = LinkEstimator(EstimatorConfig(upload_cap_bytes_per_s=5 * MB, min_bytes=0))
     assert links.upload_bytes_per_s == 5 * MB  # nothing measured yet

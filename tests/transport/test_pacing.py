@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 
 import pytest
 
@@ -11,7 +12,12 @@ from p2ptrain.errors import ConfigError
 from p2ptrain.testing.bulk_echo import run_in_lab
 from p2ptrain.testing.natlab.plugin import require_netns
 from p2ptrain.testing.starlab import LinkSpec, StarLab
-from p2ptrain.transport.pacing import SendPacer, kernel_unsent_bytes
+from p2ptrain.transport.pacing import (
+    SendPacer,
+    kernel_pacing_rate,
+    kernel_unsent_bytes,
+    set_kernel_pacing_rate,
+)
 
 # -- the pure state --------------------------------------------------------------------
 
@@ -94,6 +100,40 @@ def test_kernel_unsent_bytes_counts_what_a_stalled_peer_has_not_taken() -> None:
         for sock in (client, peer, server):
             sock.close()
     assert kernel_unsent_bytes(client.fileno()) is None  # closed: -1 is no socket
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_MAX_PACING_RATE is Linux's")
+def test_the_kernel_paces_a_socket_at_its_max_pacing_rate_and_stops_when_cleared() -> None:
+    # No fq qdisc needed: Linux TCP paces by itself once the option is set.
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+
+    def send_seconds(nbytes: int) -> float:
+        start = time.perf_counter()
+        client.sendall(b"x" * nbytes)
+        got = 0
+        while got < nbytes:
+            got += len(peer.recv(1 << 20))
+        return time.perf_counter() - start
+
+    try:
+        assert kernel_pacing_rate(client) is None
+        assert set_kernel_pacing_rate(client, 4e6)
+        assert kernel_pacing_rate(client) == 4_000_000
+        assert send_seconds(1 << 20) > 0.15  # 1 MiB at 4 MB/s: about 0.26 s
+        assert set_kernel_pacing_rate(client, None)
+        assert kernel_pacing_rate(client) is None
+        assert send_seconds(1 << 20) < 0.1  # loopback, unpaced
+    finally:
+        for sock in (client, peer, server):
+            sock.close()
+    assert not set_kernel_pacing_rate(client, 1e6)  # closed
+
+
+def test_a_pacing_rate_must_be_positive() -> None:
+    with socket.socket() as sock, pytest.raises(ConfigError):
+        set_kernel_pacing_rate(sock, 0.0)
 
 
 # -- a shaped link ---------------------------------------------------------------------
