@@ -307,9 +307,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--shaped-only", action="store_true", help="run only the shaped-link part (root)"
     )
     parser.add_argument(
-        "--no-pacing",
+        "--pacing",
         action="store_true",
-        help="shaped part: no kernel pacing of p2ptrain's round streams (for comparison)",
+        help="shaped part: kernel pacing of p2ptrain's round streams (pacing_headroom 1.25)",
     )
     parser.add_argument(
         "--skip-adaptive", action="store_true", help="leave out the measured/throttle/RTT scenarios"
@@ -406,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeats=args.hetero_repeats,
             timeout=args.timeout,
             log=lambda text: _log(args, text),
-            pacing=not args.no_pacing,
+            pacing=args.pacing,
         )
     adaptive = None
     if hetero_result is not None and not args.skip_adaptive:
@@ -416,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeats=args.hetero_repeats,
             timeout=args.timeout,
             log=lambda text: _log(args, text),
-            pacing=not args.no_pacing,
+            pacing=args.pacing,
         )
     ratios = loopback_report(args, series, hivemind_note) if series else {}
     if args.profile_dir and not args.json_only:

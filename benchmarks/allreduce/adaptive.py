@@ -168,7 +168,7 @@ def run_adaptive(
     rtt_ms: float = 40.0,
     rtt_sizes_mib: Sequence[int] = (1, 16),
     scenario: Sequence[HeteroPeer] = SCENARIO,
-    pacing: bool = True,
+    pacing: bool = False,
 ) -> dict[str, Any]:
     """Run the measured, throttle and RTT scenarios; return their JSON fields."""
     numel = vector_bytes // 4

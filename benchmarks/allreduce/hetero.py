@@ -221,7 +221,7 @@ def run_hetero(
     log: Callable[[str], None],
     scenario: Sequence[HeteroPeer] = SCENARIO,
     congestion_control: str | None = "cubic",
-    pacing: bool = True,
+    pacing: bool = False,
 ) -> HeteroResult:
     """Build the lab, run the p2ptrain rounds (LP and equal) and gloo's, tear it all down."""
     numel = vector_bytes // 4

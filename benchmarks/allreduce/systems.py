@@ -65,7 +65,7 @@ def start_p2ptrain(
     profile: str | None = None,
     insecure_plaintext: bool = False,
     crypto_offload: bool = True,
-    pacing: bool = True,
+    pacing: bool = False,
 ) -> list[PeerAddress]:
     """Start one p2ptrain node per host; return their addresses.
 
@@ -74,7 +74,7 @@ def start_p2ptrain(
     peer (``{pid}`` expands); ``insecure_plaintext`` runs the peers with the
     trusted-cluster opt-out (no records after the handshake);
     ``crypto_offload`` False keeps every AES-GCM pass on the peers' event loops;
-    ``pacing`` False turns off the kernel pacing of the rounds' streams.
+    ``pacing`` turns on the kernel pacing of the rounds' streams.
     """
     base = [sys.executable, "-m", WORKER, "p2ptrain", "--timeout", str(timeout)]
     if pool_mib is not None:
@@ -85,8 +85,8 @@ def start_p2ptrain(
         base += ["--insecure-plaintext"]
     if not crypto_offload:
         base += ["--no-crypto-offload"]
-    if not pacing:
-        base += ["--no-pacing"]
+    if pacing:
+        base += ["--pacing"]
     argvs = [wrap(i, [*base, "--host", host]) for i, host in enumerate(hosts)]
     hellos = group.start(argvs, timeout=START_TIMEOUT)
     return [PeerAddress.parse(hello["hello"]) for hello in hellos]

@@ -77,6 +77,8 @@ class _Inputs:
 TRACE = bool(os.environ.get("P2PTRAIN_BENCH_TRACE"))
 """Diagnostics: each round's reply carries, per partner and event kind, when it first
 and last happened and how often (seconds from the round's start)."""
+PACING_HEADROOM = 1.25
+"""The headroom of ``--pacing`` (docs/allreduce.md, "Kernel pacing")."""
 
 
 class _Trace(RoundObserver):
@@ -120,7 +122,7 @@ async def _serve_p2ptrain(
     plaintext: bool = False,
     crypto_offload: bool = True,
     *,
-    pacing: bool = True,
+    pacing: bool = False,
 ) -> None:
     import msgpack
 
@@ -139,8 +141,8 @@ async def _serve_p2ptrain(
 
     loop = asyncio.get_running_loop()
     inputs = _Inputs()
-    # codec none, plain mean; kernel pacing of the round's streams unless turned off
-    config = AllReduceConfig() if pacing else AllReduceConfig(pacing_headroom=None)
+    # codec none, plain mean; kernel pacing of the round's streams if asked for
+    config = AllReduceConfig(pacing_headroom=PACING_HEADROOM) if pacing else AllReduceConfig()
     node_config = NodeConfig(host=host, insecure_plaintext=plaintext)
     if not crypto_offload:
         node_config = NodeConfig(
@@ -313,9 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="p2ptrain: every AES-GCM pass on the event loop (crypto_offload_bytes=None)",
     )
     parser.add_argument(
-        "--no-pacing",
+        "--pacing",
         action="store_true",
-        help="p2ptrain: no kernel pacing of a round's streams (pacing_headroom=None)",
+        help=f"p2ptrain: kernel pacing of a round's streams (pacing_headroom={PACING_HEADROOM})",
     )
     args: Any = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -343,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         pool_bytes,
                         args.insecure_plaintext,
                         not args.no_crypto_offload,
-                        pacing=not args.no_pacing,
+                        pacing=args.pacing,
                     )
                 )
             profiler.dump_stats(args.profile.format(pid=os.getpid()))
@@ -355,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     pool_bytes,
                     args.insecure_plaintext,
                     not args.no_crypto_offload,
-                    pacing=not args.no_pacing,
+                    pacing=args.pacing,
                 )
             )
     else:

@@ -46,7 +46,10 @@ class AllReduceConfig:
             keeps concurrent TCP start-ups from overrunning a shallow uplink
             queue. Needs an upload capacity (the service's ``links``: its
             latest probe or typed-in rate, ``upload_capacity_bytes_per_s``);
-            ``None`` turns pacing off. At least 1.
+            at least 1, e.g. 1.25. ``None`` (the default): off. Off by default
+            because a typed-in rate then becomes a hard limit: the local demo,
+            whose peers announce home rates on loopback, ran at 0.56x its
+            samples/s with 1.25 (docs/benchmarks.md, "Kernel pacing").
     """
 
     codec: str = "none"
@@ -55,7 +58,7 @@ class AllReduceConfig:
     trim: int = 1
     clip_iterations: int = 3
     clip_radius: float | None = None
-    pacing_headroom: float | None = 1.25
+    pacing_headroom: float | None = None
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_NAMES:
