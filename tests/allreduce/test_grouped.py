@@ -44,7 +44,9 @@ def test_a_swarm_up_to_the_group_size_is_one_group() -> None:
 
 
 def test_group_index_is_stable_and_spreads_peers_evenly() -> None:
-    ids = [Identity.generate().peer_id for _ in range(800)]
+    # Fixed identities: with random ones the smallest of 8 bins (binomial, mean
+    # 100, sd 9.4) fell under 70 about once in 200 runs, and once in CI.
+    ids = [Identity.from_seed(i.to_bytes(32, "big")).peer_id for i in range(800)]
     counts = [0] * 8
     for peer_id in ids:
         index = group_index(peer_id, 8)
