@@ -111,13 +111,14 @@ class _Runner:
         result = run_round(
             self.group, prepares, prepare_timeout=self.timeout, round_timeout=self.timeout
         )
-        drops = [
-            f"{peer.name} {'up' if key == 'up_drops' else 'down'} {a[key] - b[key]}"
+        dropped = [
+            (peer.name, "up" if key == "up_drops" else "down", a[key] - b[key])
             for peer, a, b in zip(self.scenario, self.lab.counters(), before, strict=True)
             for key in ("up_drops", "down_drops")
             if a[key] > b[key]
         ]
-        self.drops.append(sum(int(d.rsplit(" ", 1)[1]) for d in drops))
+        self.drops.append(sum(n for _, _, n in dropped))
+        drops = [f"{name} {way} {n}" for name, way, n in dropped]
         uploads = [
             reply["upload"]
             for reply in self.group.request(

@@ -232,12 +232,19 @@ class LinkEstimator:
             late: Whether the round took longer than predicted (beyond
                 ``late_tolerance``): lower observations then replace the estimates.
         """
-        for direction, timings in ((self._upload, uploads), (self._download, downloads)):
-            rate = combined_rate(
-                timings, min_bytes=self.config.min_bytes, min_seconds=self.config.min_seconds
-            )
-            if rate is not None:
-                direction.update(rate, self.config.decay, late)
+        self._fold(self._upload, uploads, late)
+        self._fold(self._download, downloads, late)
+
+    def _fold(
+        self, direction: _Direction, timings: Iterable[StreamTiming], late: bool
+    ) -> float | None:
+        """Fold ``timings`` into ``direction``; returns their combined rate (None: too little)."""
+        rate = combined_rate(
+            timings, min_bytes=self.config.min_bytes, min_seconds=self.config.min_seconds
+        )
+        if rate is not None:
+            direction.update(rate, self.config.decay, late)
+        return rate
 
     def observe_round(
         self,
@@ -264,11 +271,8 @@ class LinkEstimator:
         self, uploads: Iterable[StreamTiming], downloads: Iterable[StreamTiming]
     ) -> None:
         """A probe of one or more peers at once (it clears :attr:`needs_probe`)."""
-        uploads = list(uploads)
-        self.observe(uploads=uploads, downloads=downloads)
-        probed = combined_rate(
-            uploads, min_bytes=self.config.min_bytes, min_seconds=self.config.min_seconds
-        )
+        probed = self._fold(self._upload, uploads, False)
+        self._fold(self._download, downloads, False)
         if probed is not None:
             self._probed_upload = probed
         self.needs_probe = False
