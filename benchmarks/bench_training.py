@@ -789,7 +789,8 @@ def main() -> None:
         type=int,
         default=1,
         help="runs of each policy and of the no-cut run, alternating; samples/s pooled over "
-        "them (--equivalence; the losses are the first runs')",
+        "them (--equivalence; the losses are the first runs'); with --wan, pairs of the "
+        "sync and overlapped runs, the loss and hiding checks their means",
     )
     parser.add_argument(
         "--runs-only",

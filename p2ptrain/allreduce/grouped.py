@@ -91,12 +91,22 @@ class GroupingConfig:
             forms at once when every group's member has announced).
         max_group_factor: A group takes at most ``max_group_factor *
             group_size`` members (hashing makes some groups larger).
+        max_share_factor: In the group phase no member aggregates more than
+            this many equal shares of its group's vector
+            (:attr:`~p2ptrain.allreduce.matchmaking.MatchmakingConfig.max_share_factor`).
+            A member with share ``s`` of a group of ``n`` sends about
+            ``(1 + s (2n - 1)) V`` in a grouped step (its parts out, its
+            averages back in the group round and again in the gather, plus
+            its columns), so the bound keeps the busiest peer near
+            ``(1 + 2k) V``: 7 V at the default 3, against the 8 V that
+            issue 13 allows. ``None`` leaves the LP unbounded.
     """
 
     group_size: int = 32
     group_window: float = 1.0
     column_window: float = 10.0
     max_group_factor: float = 2.5
+    max_share_factor: float | None = 3.0
 
     def __post_init__(self) -> None:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
@@ -109,6 +119,9 @@ class GroupingConfig:
                 raise ConfigError(f"{name} must be positive and finite, got {value!r}")
         if not (math.isfinite(self.max_group_factor) and self.max_group_factor >= 1):
             raise ConfigError("max_group_factor must be >= 1")
+        factor = self.max_share_factor
+        if factor is not None and not (math.isfinite(factor) and factor >= 1):
+            raise ConfigError(f"max_share_factor must be None or >= 1, got {factor!r}")
 
 
 def group_count(swarm_size: int, group_size: int) -> int:
@@ -245,7 +258,7 @@ class GroupedAverager:
         # 1. the group: average [w*x, w] with equal weights.
         index = group_index(me, groups)
         cap = math.ceil(cfg.max_group_factor * cfg.group_size)
-        self._set_target(cap, cfg.group_window)
+        self._set_target(cap, cfg.group_window, max_share_factor=cfg.max_share_factor)
         n = vector.numel()
         plan = await self.matchmaker.form_group(f"{key}/g{index}", num_elements=n + 1)
         # The slices each member covers follow its share of the group's plan
@@ -361,16 +374,30 @@ class GroupedAverager:
             f"{key}/s{index}", num_elements=num_elements, expected=groups
         )
 
-    def _set_target(self, size: int, window: float, *, alone_ok: bool = True) -> None:
+    def _set_target(
+        self,
+        size: int,
+        window: float,
+        *,
+        alone_ok: bool = True,
+        max_share_factor: float | None = None,
+    ) -> None:
         """Gather up to ``size`` peers for ``window`` seconds.
 
         In the grouped phases a group or column of one is fine (hashing can
         leave a peer alone in its group; a column of one group is that group).
+        ``max_share_factor`` bounds the plan's shares in the group phase; the
+        other phases keep the base configuration's.
         """
         base = self._base
         low = 1 if alone_ok else base.min_group_size
+        factor = base.max_share_factor if max_share_factor is None else max_share_factor
         self.matchmaker.config = dataclasses.replace(
-            base, target_group_size=max(low, size), min_group_size=low, window=window
+            base,
+            target_group_size=max(low, size),
+            min_group_size=low,
+            window=window,
+            max_share_factor=factor,
         )
 
 

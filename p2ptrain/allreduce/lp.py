@@ -281,6 +281,17 @@ class _PeerTimes:
         return lower, upper
 
 
+def _share_cap(max_share: float | None, aggregators: float) -> float:
+    """The bound on one share: ``max_share``, at least an equal split, at most 1."""
+    if max_share is None:
+        return 1.0
+    if isinstance(max_share, bool) or not isinstance(max_share, int | float):
+        raise ConfigError(f"max_share must be a number, got {max_share!r}")
+    if not (math.isfinite(max_share) and max_share > 0):
+        raise ConfigError(f"max_share must be positive and finite, got {max_share!r}")
+    return min(1.0, max(float(max_share), 1.0 / aggregators))
+
+
 def _pin_near_binding(
     times: _PeerTimes, lower: FloatArray, upper: FloatArray, limit: float, margin: float
 ) -> FloatArray:
@@ -439,6 +450,7 @@ class LoadBalancer:
         *,
         vector_bytes: float,
         target_batch_size: float,
+        max_share: float | None = None,
     ) -> LoadBalancePlan:
         """Choose each peer's share so that the round is as short as possible.
 
@@ -449,6 +461,10 @@ class LoadBalancer:
                 ``tensor.numel() * tensor.element_size()``.
             target_batch_size: Samples the swarm processes per optimizer step;
                 only the throughput figures use it.
+            max_share: If given, no peer's share exceeds it (raised to an
+                equal split over the peers that may aggregate where it is
+                smaller): a bound on the busiest peer's upload, at the cost
+                of the optimal round time when the bound binds.
 
         Returns:
             The plan: shares, predicted times and throughput.
@@ -468,9 +484,12 @@ class LoadBalancer:
 
         started = time.perf_counter()
         bandwidth = np.minimum(coeffs.upload_bytes_per_s, coeffs.download_bytes_per_s)
-        cap = coeffs.can_aggregate.astype(np.float64)
-        reference = bandwidth * cap / float((bandwidth * cap).sum())
-        evenly = cap / float(cap.sum())
+        may = coeffs.can_aggregate.astype(np.float64)
+        cap = may * _share_cap(max_share, float(may.sum()))
+        reference = bandwidth * may / float((bandwidth * may).sum())
+        if max_share is not None:
+            reference = project_onto_capped_simplex(reference, np.zeros_like(cap), cap)
+        evenly = may / float(may.sum())
         # The time unit is the better of two simple splits, an upper bound on
         # T* and within a small factor of it, so the LP sees T* near one even
         # when a very slow peer would make equal shares absurdly slow. (Both

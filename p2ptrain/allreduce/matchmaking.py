@@ -105,6 +105,11 @@ class MatchmakingConfig:
             announced upload: a chunk is one frame, and a small message on the
             same connection (a request, a flow-control credit, the next
             round's matchmaking) waits behind the frame being sent.
+        max_share_factor: if set, the leader's plan gives no member more
+            than this many times an equal share (``1/n`` of the vector in a
+            group of ``n``), passed to the balancer as ``max_share``: a bound
+            on the busiest member's upload, which grows with its share
+            (grouped averaging sets it; ``None``: the LP alone decides).
     """
 
     target_group_size: int = 64
@@ -118,6 +123,7 @@ class MatchmakingConfig:
     round_timeout: float = 60.0
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     chunk_seconds: float = 0.05
+    max_share_factor: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_group_size <= self.target_group_size:
@@ -129,6 +135,10 @@ class MatchmakingConfig:
             raise ConfigError("lone_wait must be >= 0 and finite")
         if not 0 < self.reduce_timeout < self.round_timeout:
             raise ConfigError("need 0 < reduce_timeout < round_timeout")
+        factor = self.max_share_factor
+        number = isinstance(factor, int | float) and not isinstance(factor, bool)
+        if factor is not None and not (number and 1 <= factor < math.inf):
+            raise ConfigError(f"max_share_factor must be None or a number >= 1, got {factor!r}")
 
 
 class BalancedPlan(Protocol):
@@ -145,6 +155,8 @@ class Balancer(Protocol):
     """Anything that splits the vector among peers (LoadBalancer is one).
 
     Shares are one per peer, >= 0, summing to 1, and 0 for client-mode peers.
+    With :attr:`MatchmakingConfig.max_share_factor` set, ``plan`` is also
+    given a ``max_share`` keyword (see :meth:`LoadBalancer.plan`).
     """
 
     def plan(
@@ -481,10 +493,13 @@ class Matchmaker:
         target_batch_size: int,
     ) -> GroupPlan:
         capacities = [c.capacity for c in members]
+        factor = self.config.max_share_factor
+        bound = {} if factor is None else {"max_share": factor / len(members)}
         balanced = self._balancer.plan(
             capacities,
             vector_bytes=max(1, vector_bytes),
             target_batch_size=max(1, target_batch_size),
+            **bound,
         )
         # What the plan will take when TCP shares the links fairly (the LP's own
         # time assumes the plan's proportions): a round is late only against this.

@@ -723,3 +723,32 @@ def test_a_far_away_peer_is_given_less_to_aggregate() -> None:
 def test_a_bad_round_trip_time_is_refused(rtt: float) -> None:
     with pytest.raises(ConfigError):
         PeerCapacity(MB, MB, rtt_s=rtt)
+
+
+# --- a bound on the busiest peer's share --------------------------------------------------
+
+
+def test_max_share_bounds_every_share_and_costs_round_time_only_where_it_binds() -> None:
+    peers = sym(1000, 10, 10, 10, 10, 10)  # the LP gives the 1000 MB/s peer most of the vector
+    free = BALANCER.plan(peers, vector_bytes=V, target_batch_size=1024)
+    assert max(free.shares) > 0.5
+    bounded = BALANCER.plan(peers, vector_bytes=V, target_batch_size=1024, max_share=0.3)
+    shares = np.array(bounded.shares)
+    assert shares.max() <= 0.3 + 1e-9
+    assert shares.sum() == pytest.approx(1.0)
+    assert bounded.round_time_s > free.round_time_s
+    # Where the bound does not bind, the plan is the same.
+    loose = BALANCER.plan(peers, vector_bytes=V, target_batch_size=1024, max_share=max(free.shares))
+    assert loose.shares == pytest.approx(free.shares, abs=1e-6)
+
+
+def test_max_share_below_an_equal_split_gives_the_equal_split_over_aggregators() -> None:
+    peers = [*sym(1000, 10, 10), *sym(50, client_mode=True)]
+    result = BALANCER.plan(peers, vector_bytes=V, target_batch_size=1024, max_share=0.01)
+    assert result.shares == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0], abs=1e-9)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, math.nan, math.inf, True, "0.5"])
+def test_max_share_must_be_a_positive_finite_number(bad: object) -> None:
+    with pytest.raises(ConfigError, match="max_share"):
+        BALANCER.plan(sym(10, 10), vector_bytes=V, target_batch_size=1, max_share=bad)  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from p2ptrain.allreduce.partition import PeerCapacity
 from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
-from p2ptrain.errors import InvalidArgumentError, MatchmakingError
+from p2ptrain.errors import ConfigError, InvalidArgumentError, MatchmakingError
 from p2ptrain.node.node import Node
 
 FAST = MatchmakingConfig(
@@ -352,3 +352,32 @@ async def test_an_early_group_waits_for_the_last_peer_until_its_step_is_due(
     )
     first = control[0]
     assert isinstance(first, GroupPlan) and first.size == 2, control
+
+
+async def test_max_share_factor_reaches_the_balancer_as_a_bound_per_member(
+    swarm: list[Peer],
+) -> None:
+    """Grouped averaging bounds the busiest member's share: the leader passes
+    ``max_share_factor / n`` to the balancer, and nothing when it is unset."""
+    from dataclasses import dataclass
+
+    seen: list[float | None] = []
+
+    @dataclass
+    class Plan:
+        shares: list[float]
+        round_time_s: float = 1.0
+
+    class Recording:
+        def plan(self, peers, *, vector_bytes, target_batch_size, **bound):  # type: ignore[no-untyped-def]
+            seen.append(bound.get("max_share"))
+            return Plan([1.0 / len(peers)] * len(peers))
+
+    for factor, key in ((1.5, "run/bounded"), (None, "run/unbounded")):
+        for peer in swarm[:3]:
+            peer.matchmaker._balancer = Recording()
+            peer.matchmaker.config = replace(peer.matchmaker.config, max_share_factor=factor)
+        await asyncio.gather(*(p.matchmaker.form_group(key, num_elements=30) for p in swarm[:3]))
+    assert seen == [pytest.approx(0.5), None]  # one leader per round plans
+    with pytest.raises(ConfigError, match="max_share_factor"):
+        MatchmakingConfig(max_share_factor=0.5)

@@ -70,3 +70,25 @@ def test_two_overlapped_peers_train_through_shaped_links() -> None:
     assert [row[0] for row in losses] == sorted(row[0] for row in losses)
     assert losses[-1][0] >= steps and losses[-1][2] >= steps * 8
     assert run["final_loss"] < losses[0][3]  # two steps at lr 0.01 lower the loss
+
+
+def _system(comm: float, losses: list[list[float]]) -> dict[str, object]:
+    return {"comm_fraction": comm, "final_samples": losses[-1][2], "losses": losses}
+
+
+def test_repeated_pairs_are_checked_on_their_mean_and_listed_one_by_one() -> None:
+    from benchmarks.training_wan.runner import checks
+
+    sync = _system(0.5, [[0, 0, 0, 4.0], [1, 1, 100, 2.0]])
+    sync["repeats"] = [_system(0.4, [[0, 0, 0, 4.0], [1, 1, 100, 2.0]])]
+    # Pair 1: overlap 1.01x at 100 samples; pair 2: 1.04x, interpolated at 100
+    # of its 200 samples (3.0 + (1.16 - 3.0) / 2 = 2.08).
+    overlap = _system(0.05, [[0, 0, 0, 4.0], [1, 1, 100, 2.02]])
+    overlap["repeats"] = [_system(0.06, [[0, 0, 0, 3.0], [1, 1, 200, 1.16]])]
+    found = checks({"p2ptrain_sync": sync, "p2ptrain_overlap": overlap})
+    assert found["pairs"] == 2
+    assert found["overlap_loss_vs_sync_per_pair"] == pytest.approx([1.01, 1.04])
+    assert found["overlap_loss_vs_sync"] == pytest.approx(1.025)
+    assert found["overlap_loss_within_2pct"] is False
+    assert found["overlap_comm_vs_sync_per_pair"] == pytest.approx([0.1, 0.15])
+    assert found["overlap_hides_80pct"] is True
