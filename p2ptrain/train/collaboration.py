@@ -380,7 +380,7 @@ class Collaboration:
         return self._closed
 
     def place(self, *, step: int, own: int, batch: int) -> Placement:
-        """Place a local batch that just ended by the step cut (:func:`place_batch`).
+        """Whether this peer closes its step after a local batch (:func:`place_batch`).
 
         Args:
             step: The trainer's step.
@@ -390,7 +390,7 @@ class Collaboration:
         policy = self.settings.step_policy
         target = self.settings.target_batch_size
         if policy is StepPolicy.UNBOUNDED or target is None:
-            return Placement(carry=False, close=False)
+            return Placement(close=False)
         view = self._tracker.view()
         carry = policy is StepPolicy.CARRY
         others = view.estimate_samples(
@@ -398,7 +398,7 @@ class Collaboration:
             exclude=self.peer.peer_id,
             now=time.time(),
             stepped_at=self._stepped_at,
-            partial=policy is StepPolicy.WAIT,
+            partial=True,
             carry_batches=self.settings.carry_batches if carry else 0,
         )
         swarm_closed = view.global_step == step and any(
@@ -437,7 +437,7 @@ class Collaboration:
         )
         if placement.close and not self._closed:
             self._closed = True
-            self._close_estimate = own + (0 if placement.carry else batch) + others
+            self._close_estimate = own + batch + others
         return placement
 
     def view(self) -> SwarmProgress:

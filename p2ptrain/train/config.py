@@ -61,23 +61,19 @@ class TrainerConfig:
             equal to peers × this, every step averages exactly one batch of
             each peer. When every live peer waits, the step happens even below
             the target.
-        step_policy: How a step holds the target (:mod:`p2ptrain.train.cut`):
-            ``wait`` (default) stops computing when the next batch would
-            pass the target and waits for the step; ``carry`` counts a
-            batch that ends after the swarm reached the target toward the
-            next step (one step stale, which ``predict_weights`` mostly
-            makes up for; before it, measured 4-10 % worse loss per sample
-            than ``wait``, see docs/training.md); ``unbounded``
-            adds batches until the swarm's reported samples reach the
-            target (steps then hold more than the target; kept for
-            comparison).
+        step_policy: What a peer does once it closed a step at the target
+            (:mod:`p2ptrain.train.cut`): ``wait`` (default) waits for the
+            step's average; ``carry`` computes batches toward the next
+            step while the step averages in the background, on the
+            parameters its own gradient predicts (``predict_weights``), and
+            applies the update one ``step()`` later; ``unbounded`` adds
+            batches until the swarm's reported samples reach the target
+            (steps then hold more than the target; kept for comparison).
         carry_batches: Under ``carry``: how many local batches a peer may
-            count toward the next step before the step it closed is applied
-            (the batch in flight at the cut included). Past them it waits for
-            the step's average. Each carried batch is one step stale: the
-            bound keeps the stale share of a step near one batch per peer
-            (unbounded, about half of the samples were stale and the loss
-            per sample 6-8 % worse). 0: wait for the average at once.
+            count toward the next step before the step it closed is applied.
+            Past them it waits for the step's average. Each carried batch is
+            one step stale, computed on predicted parameters. 0: wait for
+            the average at once (as ``wait``).
         matchmaking_lead: Start matchmaking when the step is estimated to be
             this many seconds away, overlapping the last local batches.
             0: only when the step is due. ``None``: measured, from this

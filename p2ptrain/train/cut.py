@@ -1,37 +1,43 @@
-"""The step cut: which step a local batch counts toward, and when a peer closes its step (pure).
+"""The step cut: when a peer closes its step, and what it does after (pure).
 
 A step holds ``target_batch_size`` samples. After each local batch a peer
-estimates the swarm's samples at its step: its own (exact) plus every other
-peer's, each extrapolated from its progress record in whole batches at its
-reported rate (:meth:`~p2ptrain.train.progress.SwarmProgress.estimate_samples`).
-Then, by the step policy:
+estimates the swarm's work at its step: its own samples (exact) plus every
+other peer's, each extrapolated from its progress record at its reported
+rate, whole batches and the fractions of batches in progress
+(:meth:`~p2ptrain.train.progress.SwarmProgress.estimate_samples`). A batch
+always counts toward the step it was computed for: its gradient is on that
+step's parameters. The peer closes the step when the swarm would pass the
+target in the first half of its next batch: when its estimate of the
+swarm's work, plus half of its next batch and half of what the others are
+expected to compute meanwhile, reaches the target. What it does once
+closed is the step policy's:
 
-* ``carry``: a batch that ends after the swarm reached the
-  target (as estimated, or because another peer at the step closed it)
-  counts toward the *next* step: the trainer keeps a second accumulator.
-  Its gradient was computed on the parameters before the update (one step
-  stale). A batch that brings the estimate to the target is the step's
-  last; the peer closes the step and steps.
-* ``wait`` (the default): a batch always counts toward the current step.
-  The peer closes the step when the swarm would pass the target in the
-  first half of its next batch: when its estimate of the swarm's work
-  (whole batches and the fractions of batches in progress), plus half of
-  its next batch and half of what the others are expected to compute
-  meanwhile, reaches the target. It then waits for the step instead of
-  computing a batch past the cut.
+* ``wait`` (the default): it waits for the step's average, then steps.
+* ``carry``: the step averages in the background while the peer computes
+  up to ``carry_batches`` batches toward the *next* step (a second
+  accumulator), on the parameters its own gradient of the closed step
+  predicts (:mod:`p2ptrain.train.prediction`); the averaged update is
+  applied at the first ``step()`` after it arrived. Only batches begun
+  after the close are carried, all of them on predicted parameters. (The
+  first ``carry`` also carried the batch in flight when the swarm reached
+  the target, computed on the parameters before the update: with a
+  quarter of each step's samples one step stale that way, the loss at the
+  same samples was 3-4 % worse than ``wait``'s on the ``--wan`` benchmark,
+  against -0.6 % once only predicted batches were carried.)
 
-  Why half: every peer stops by the same rule, so a step ends at about the
-  moment the first peer closes plus half a batch time (the others finish
-  the batch they are computing, evenly spread over it). A peer that closed
-  when its *next batch would end* past the target (the rule before)
-  stopped the swarm half a swarm-batch early: with ``N`` peers of batch
-  ``b`` at one rate a step then held ``target - (N - 1) * b / 2`` on
-  average (measured: 0.81x at 8 peers, target 256, batch 16). Stopping at
-  the midpoint makes the overshoot of the peers whose batch ends past the
-  target equal, on average, to the shortfall of those that stopped before
-  it: the mean is the target. Peers that compute in lockstep (they all
-  began the step at the end of the same all-reduce) all stop on the batch
-  that ends nearest the target.
+Why half: every peer stops by the same rule, so a step ends at about the
+moment the first peer closes plus half a batch time (the others finish
+the batch they are computing, evenly spread over it). A peer that closed
+when its *next batch would end* past the target (the rule before)
+stopped the swarm half a swarm-batch early: with ``N`` peers of batch
+``b`` at one rate a step then held ``target - (N - 1) * b / 2`` on
+average (measured: 0.81x at 8 peers, target 256, batch 16). Stopping at
+the midpoint makes the overshoot of the peers whose batch ends past the
+target equal, on average, to the shortfall of those that stopped before
+it: the mean is the target. Peers that compute in lockstep (they all
+began the step at the end of the same all-reduce) all stop on the batch
+that ends nearest the target.
+
 * ``unbounded``: the behaviour before the cut existed: batches are added
   until the swarm's *reported* samples reach the target; the step holds
   what every peer added meanwhile. Kept for the benchmark's comparison.
@@ -70,14 +76,12 @@ STEP_POLICIES = tuple(p.value for p in StepPolicy)
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a batch goes and what the peer does next.
+    """What the peer does after a batch that counted toward its step.
 
     Attributes:
-        carry: The batch counts toward the next step (not the current one).
         close: The peer adds nothing more to the current step and steps.
     """
 
-    carry: bool
     close: bool
 
 
@@ -91,19 +95,18 @@ def place_batch(
     swarm_closed: bool,
     others_per_batch: float = 0.0,
 ) -> Placement:
-    """Place a local batch that just ended.
+    """Whether the peer closes its step after a local batch that just ended.
 
     Args:
         policy: The step policy.
         target: The step's target batch size.
         own: Samples this peer holds toward the current step, before the batch.
         batch: The batch's samples.
-        others: The other peers' samples at the step, as estimated now
-            (under ``wait``: their work, batches in progress by the fraction
-            done).
+        others: The other peers' work at the step, as estimated now
+            (batches in progress by the fraction done).
         swarm_closed: A peer at the step closed it.
         others_per_batch: Samples the other peers are expected to add while
-            this peer computes one more batch (``wait`` only).
+            this peer computes one more batch.
 
     Raises:
         ConfigError: A negative or non-finite argument, or a target below 1.
@@ -111,13 +114,10 @@ def place_batch(
     if target < 1 or min(own, batch, others) < 0 or not 0 <= others_per_batch < float("inf"):
         raise ConfigError("place_batch() takes non-negative arguments and a target >= 1")
     if policy is StepPolicy.UNBOUNDED:
-        return Placement(carry=False, close=False)
+        return Placement(close=False)
     before = own + others
     if swarm_closed or before >= target:
-        return Placement(carry=policy is StepPolicy.CARRY and own > 0, close=True)
-    after = before + batch
-    if policy is StepPolicy.CARRY:
-        return Placement(carry=False, close=after >= target)
+        return Placement(close=True)
     # The swarm's work halfway through this peer's next batch.
-    midpoint = after + (batch + others_per_batch) / 2
-    return Placement(carry=False, close=midpoint >= target)
+    midpoint = before + batch + (batch + others_per_batch) / 2
+    return Placement(close=midpoint >= target)

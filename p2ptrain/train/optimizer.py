@@ -15,13 +15,13 @@ The loss must be a mean over the batch, so that ``grad * batch_size`` is the
 batch's sum of per-sample gradients and the sample-weighted average over the
 swarm equals the gradient of one batch of ``target_batch_size`` samples.
 A step holds ``target_batch_size`` samples by the step cut
-(:mod:`p2ptrain.train.cut`): under the default ``wait`` policy a peer stops
-adding batches when the next would pass the target and waits for the step;
-under ``carry`` a batch that ends after the swarm reached the target counts
-toward the next step (a second accumulator; its gradient is one step stale),
-and the step's all-reduce runs in the background while the peer computes at
-most ``carry_batches`` such batches (then it waits for the average), on the
-parameters its own gradient predicts (:mod:`p2ptrain.train.prediction`). The vector averaged carries
+(:mod:`p2ptrain.train.cut`): a peer stops adding batches to a step when the
+swarm is about to reach the target. Under the default ``wait`` policy it
+then waits for the step; under ``carry`` the step's all-reduce runs in the
+background while the peer computes at most ``carry_batches`` batches toward
+the next step (a second accumulator; their gradients are one step stale)
+on the parameters its own gradient predicts
+(:mod:`p2ptrain.train.prediction`), then it waits. The vector averaged carries
 one more element, ``1 / samples``, from which every peer learns the step's
 total samples (:func:`~p2ptrain.train.averaging.group_weight`).
 
@@ -183,8 +183,8 @@ class CollaborativeOptimizer(SwarmTrainer):
                 collab.report(step=self._step, samples=self._samples, blocked=False)
                 return False
             return self._finish_step()
-        placement = collab.place(step=self._step, own=self._samples, batch=batch_size)
-        self._accumulate(batch_size, carry=placement.carry)
+        collab.place(step=self._step, own=self._samples, batch=batch_size)
+        self._accumulate(batch_size, carry=False)
         return self._advance(self.num_elements)
 
     def close(self) -> None:
@@ -273,7 +273,7 @@ class CollaborativeOptimizer(SwarmTrainer):
             )
             self._pending = (average, vector)
             if filled:
-                return self._finish_step()  # the batch in flight at the cut filled the carry
+                return self._finish_step()  # carry_batches=0: wait for the average now
             return False
         if feedback is not None:
             feedback.compensate(vector[:-1])  # not the count marker
