@@ -424,9 +424,12 @@ class Simulation:
 
         A single group: the contributors its report names. Groups: the union,
         over the groups the result says it holds, of the members each group
-        carried into the columns, as the group's surviving members tell it;
-        ``None`` (unknown) when no survivor of such a group tells, or when
-        they disagree.
+        carried into the columns, as the group's surviving members tell it.
+        A group whose matchmaking split it in two (two plans under one group
+        key) has two accounts, one per part, and both parts cover every
+        slice in the same columns: their union. ``None`` (unknown) when no
+        survivor of such a group tells, or when accounts overlap without
+        being equal (they disagree about a member).
         """
         told: dict[tuple[int, int], set[tuple[PeerID, ...]]] = {}
         for _, grouped in outcomes.values():
@@ -441,9 +444,12 @@ class Simulation:
             members: set[PeerID] = set()
             for g in grouped.groups_in:
                 accounts = told.get((grouped.groups, g), set())
-                if len(accounts) != 1:
+                if not accounts:
                     return None
-                members.update(next(iter(accounts)))
+                union = {peer for account in accounts for peer in account}
+                if len(union) != sum(len(account) for account in accounts):
+                    return None  # two accounts name one member: they disagree
+                members.update(union)
             return frozenset(members)
 
         return reference
