@@ -351,3 +351,43 @@ def test_members_killed_mid_round_leave_exact_results_or_honest_failures() -> No
     assert result.incomplete < result.live  # type: ignore[attr-defined]
     assert result.max_rel_error < 1e-6, result.failures  # type: ignore[attr-defined]
     assert result.counted_fraction >= 0.6  # type: ignore[attr-defined]
+
+
+def _told(me: object, groups: int, represented: tuple[object, ...], groups_in: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    """The parts of a GroupedResult that the simulator's reference reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        groups=groups,
+        group_weight=1.0,
+        group=SimpleNamespace(members=[SimpleNamespace(peer_id=me)]),
+        reports=[SimpleNamespace(index=0)],
+        represented=represented,
+        groups_in=groups_in,
+        group_counted=represented,
+    )
+
+
+def test_a_group_split_by_matchmaking_is_measured_against_both_parts() -> None:
+    """Two plans under one group key (a split) each tell their own members; a
+    result holding that group holds both parts (both cover every slice), so
+    the reference is their union, and unknown when the accounts overlap."""
+    from p2ptrain.allreduce.grouped import group_index
+    from p2ptrain.secure.identity import Identity
+
+    ids = [Identity.generate().peer_id for _ in range(64)]
+    zero = [i for i in ids if group_index(i, 2) == 0][:4]
+    one = [i for i in ids if group_index(i, 2) == 1][:1]
+    part_a, part_b = (zero[0], zero[1]), (zero[2], zero[3])
+    results = [
+        _told(zero[0], 2, part_a, (0, 1)),
+        _told(zero[2], 2, part_b, (0, 1)),
+        _told(one[0], 2, (one[0],), (0, 1)),
+    ]
+    outcomes = {r.group.members[0].peer_id: (torch.zeros(1), r) for r in results}
+    reference = Simulation._reference(outcomes)  # type: ignore[arg-type]
+    assert reference(results[0]) == frozenset({*part_a, *part_b, one[0]})  # type: ignore[arg-type]
+    # Two accounts that name one member disagree: unknown.
+    results[1] = _told(zero[2], 2, (zero[1], zero[2]), (0, 1))
+    outcomes = {r.group.members[0].peer_id: (torch.zeros(1), r) for r in results}
+    assert Simulation._reference(outcomes)(results[0]) is None  # type: ignore[arg-type]
