@@ -215,6 +215,8 @@ class Collaboration:
         self.last_step: StepRecord | None = None
         self._close_estimate: int | None = None
         self._stepped_at: float | None = None  # Unix time of this peer's latest step
+        self._closed_at: float | None = None  # Unix time it closed its current step
+        self._previous_closed_at: float | None = None  # ... and the step before
         self._batch = 0
         self._tolerance = settings.sync_tolerance
         self._averager = SwarmAverager(
@@ -400,6 +402,7 @@ class Collaboration:
             stepped_at=self._stepped_at,
             partial=True,
             carry_batches=self.settings.carry_batches if carry else 0,
+            closed_at=self._previous_closed_at,
         )
         swarm_closed = view.global_step == step and any(
             r.closed and r.peer_id != self.peer.peer_id for r in view.records if r.step == step
@@ -437,6 +440,7 @@ class Collaboration:
         )
         if placement.close and not self._closed:
             self._closed = True
+            self._closed_at = time.time()
             self._close_estimate = own + batch + others
         return placement
 
@@ -674,6 +678,7 @@ class Collaboration:
         self._fresh = False
         self._closed = False
         self._stepped_at = time.time()
+        self._previous_closed_at, self._closed_at = self._closed_at, None
         self._stats = dataclasses.replace(self._stats, global_step=step)
         close_estimate, self._close_estimate = self._close_estimate, None
         self.last_step = StepRecord(step - 1, own, step_samples, self.settings.target_batch_size)
@@ -783,6 +788,7 @@ class Collaboration:
             self._closed = False
             self._close_estimate = None
             self._stepped_at = None  # it did not step with a group
+            self._closed_at = self._previous_closed_at = None
             seconds = time.perf_counter() - started
             self._add(syncs=1, sync_s=seconds)
             self._stats = dataclasses.replace(self._stats, global_step=snapshot.step)

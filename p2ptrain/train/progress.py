@@ -282,6 +282,7 @@ class SwarmProgress:
         stepped_at: float | None = None,
         partial: bool = False,
         carry_batches: int = 0,
+        closed_at: float | None = None,
     ) -> int:
         """Samples the live peers at ``step`` (but ``exclude``) hold now, as estimated.
 
@@ -309,7 +310,14 @@ class SwarmProgress:
           moment the reader itself began ``step``, in the same group);
         * any other record older than ``stepped_at``: from ``stepped_at``
           (its peer was in the same step and most likely stepped in the same
-          group, its new record not read yet);
+          group, its new record not read yet); under ``carry`` also what it
+          most likely carried: at most ``carry_batches`` batches from when
+          it most likely closed (``closed_at``, when the reader closed the
+          step: peers close a step within about a batch of each other) until
+          ``stepped_at``. Without this, a peer that read a record from
+          before its partner's close counted none of the 2-3 batches the
+          partner carried, and steps ended 1-2 batches over the target
+          (``--wan``: 131-139 samples at target 128);
         * any other record written after ``stepped_at``: a lagging peer,
           nothing.
 
@@ -322,6 +330,8 @@ class SwarmProgress:
             partial: Count the batches in progress by the fraction done.
             carry_batches: Batches a peer that closed a step computes toward
                 the next one before it applies the step (the ``carry`` policy).
+            closed_at: When the reader closed ``step - 1`` (Unix seconds), if
+                it did.
         """
         total = 0.0
         typical = self.typical()
@@ -347,6 +357,10 @@ class SwarmProgress:
                 if began is not None:
                     total += _computed(r, now - began, partial=partial)
             elif stepped_at is not None and r.time <= stepped_at:
+                if carry_batches and closed_at is not None:
+                    since = max(r.time, closed_at)
+                    carried = _computed(r, stepped_at - since, partial=partial)
+                    total += min(carried, float(carry_batches * r.batch))
                 total += _computed(r, now - stepped_at, partial=partial)
             if total >= _MAX_SAMPLES:
                 return _MAX_SAMPLES

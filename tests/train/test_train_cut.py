@@ -295,6 +295,24 @@ def test_a_closed_peer_counts_toward_the_next_step_from_when_it_stepped() -> Non
     )
 
 
+def test_under_carry_a_record_from_before_the_close_counts_what_its_peer_carried() -> None:
+    # The partner's latest record (t=100, step 5, not closed) predates its close.
+    # The reader closed step 5 at t=100.5 and stepped at t=102; the partner most
+    # likely closed about then too and carried batches while step 5 averaged.
+    records = [PeerProgress(IDS[0], 5, 48, 16.0, 100.0, batch=8)]
+    view = aggregate(records, target_batch_size=128, now=102.5)
+    kw: dict[str, Any] = {"exclude": None, "now": 102.5, "stepped_at": 102.0, "partial": True}
+    # Without the carry: only the 0.5 s since the step, 8 samples of work.
+    assert view.estimate_samples(6, **kw) == 8
+    assert view.estimate_samples(6, **kw, closed_at=100.5) == 8  # "wait": nothing carried
+    # With it: 1.5 s from the close to the step at 16/s (24 samples, up to 4
+    # batches of 8), plus the 8 since the step.
+    assert view.estimate_samples(6, **kw, carry_batches=4, closed_at=100.5) == 24 + 8
+    assert view.estimate_samples(6, **kw, carry_batches=2, closed_at=100.5) == 16 + 8
+    # Not known when the reader closed: as before.
+    assert view.estimate_samples(6, **kw, carry_batches=4) == 8
+
+
 def test_the_work_estimate_counts_the_batches_in_progress() -> None:
     records = [
         PeerProgress(IDS[0], 5, 32, 40.0, 100.0, batch=16),  # 0.5 s: 20 samples of work
