@@ -297,8 +297,9 @@ def _add_step_flags(train: argparse.ArgumentParser) -> None:
         "--step-policy",
         choices=("carry", "wait"),
         default="wait",
-        help="how a step holds the target: 'carry' counts a batch that ends past it toward "
-        "the next step, 'wait' stops computing at it (default wait; docs/training.md)",
+        help="what a peer does once it closed a step at the target: 'wait' waits for the "
+        "step's average, 'carry' computes toward the next step while it averages (default "
+        "wait; docs/training.md)",
     )
     train.add_argument("--batch-size", type=int, default=16, help="local batch (default 16)")
     train.add_argument(
