@@ -352,15 +352,15 @@ class SwarmProgress:
                 continue
             elif r.closed:
                 began = stepped_at if stepped_at is not None and stepped_at > r.time else None
-                carried = _computed(r, (now if began is None else began) - r.time, partial=partial)
-                total += min(carried, float(carry_batches * r.batch))
+                total += _carried(
+                    r, r.time, now if began is None else began, carry_batches, partial=partial
+                )
                 if began is not None:
                     total += _computed(r, now - began, partial=partial)
             elif stepped_at is not None and r.time <= stepped_at:
-                if carry_batches and closed_at is not None:
+                if closed_at is not None:
                     since = max(r.time, closed_at)
-                    carried = _computed(r, stepped_at - since, partial=partial)
-                    total += min(carried, float(carry_batches * r.batch))
+                    total += _carried(r, since, stepped_at, carry_batches, partial=partial)
                 total += _computed(r, now - stepped_at, partial=partial)
             if total >= _MAX_SAMPLES:
                 return _MAX_SAMPLES
@@ -420,6 +420,15 @@ def _computed(record: PeerProgress, seconds: float, *, partial: bool) -> float:
     if partial:
         return work
     return float(record.batch * math.floor(work / record.batch))
+
+
+def _carried(
+    record: PeerProgress, closed: float, until: float, carry_batches: int, *, partial: bool
+) -> float:
+    """What ``record``'s peer carried toward the next step from closing its step at
+    ``closed`` until ``until``: at most ``carry_batches`` batches (none under ``wait``)."""
+    computed = _computed(record, until - closed, partial=partial)
+    return min(computed, float(carry_batches * record.batch))
 
 
 def _first_batch(
