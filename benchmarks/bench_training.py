@@ -358,7 +358,9 @@ def worker_main(job: dict[str, Any]) -> None:
     """Entry point of a child process.
 
     ``P2PTRAIN_BENCH_DEBUG=name,name`` logs those loggers at DEBUG to stderr,
-    with times, e.g. ``p2ptrain.train,p2ptrain.allreduce.matchmaking``."""
+    with times, e.g. ``p2ptrain.train,p2ptrain.allreduce.matchmaking``;
+    ``P2PTRAIN_BENCH_TIMELINE=path`` writes each equivalence peer's per-step
+    timeline (step, entered, returned, matchmaking s, all-reduce s) there."""
     debug = os.environ.get("P2PTRAIN_BENCH_DEBUG")
     if debug:
         import logging
@@ -525,7 +527,12 @@ def run_equivalence_swarm(
         "run_id": f"eq-{peers}x{target}-{policy}-{carry_batches}",
     }
     limit = START_TIMEOUT + 10.0 * args.steps * max(1, target // 64)
-    return summarize_equivalence(start_swarm(base, peers, limit))
+    results = start_swarm(base, peers, limit)
+    dump = os.environ.get("P2PTRAIN_BENCH_TIMELINE")
+    if dump:  # each peer's per-step timeline, for diagnosis
+        with open(dump, "w") as out:
+            json.dump([r["timeline"] for r in results], out)
+    return summarize_equivalence(results)
 
 
 def equivalence(args: argparse.Namespace) -> None:
