@@ -82,6 +82,8 @@ from p2ptrain.dht.protocol import (
     StoreReply,
     StoreRequest,
     StoreStatus,
+    known_digests,
+    omit_known,
 )
 from p2ptrain.dht.records import (
     DictionaryRecord,
@@ -92,7 +94,7 @@ from p2ptrain.dht.records import (
 )
 from p2ptrain.dht.routing import AddStatus, Contact, NodeID, RoutingTable
 from p2ptrain.dht.stats import RPCStats
-from p2ptrain.dht.storage import RecordStore, agreed_value
+from p2ptrain.dht.storage import RecordStore, agreed_value, merge_values
 from p2ptrain.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -131,6 +133,9 @@ writer's lookup stored on (in a simulated swarm of 128, a column's
 announcements stayed unread for its whole 10 s window with 30 s here); a
 fresh lookup every few seconds reads them."""
 _HOLDERS_MAX = 1024
+_READS_S = 30.0
+"""Seconds the signed entries a ``latest`` read merged are kept, to poll only for changes."""
+_READS_MAX = 256
 _TIMER_SLACK_S = 1e-6
 """A wait that ends this close to its deadline counts as having reached it."""
 _MAX_VERIFYING = 64
@@ -186,6 +191,7 @@ class DHTNode:
         self._verified: OrderedDict[tuple[PeerID, str], float] = OrderedDict()
         # key -> (until when, the replicas a lookup found for it): see find_value
         self._holders: OrderedDict[bytes, tuple[float, tuple[Contact, ...]]] = OrderedDict()
+        self._reads: OrderedDict[bytes, tuple[float, DictionaryRecord]] = OrderedDict()
         self._none_verifying = asyncio.Event()
         self._none_verifying.set()
         # How long a PING waits for its caller's address check (see _serve_ping):
@@ -353,12 +359,14 @@ class DHTNode:
         # believed when most of `get_quorum` replicas carry it (agreed_value).
         quorum = min(self.config.get_quorum, self._dht.effective_replicas)
         wanted = self._dht.effective_replicas if latest else quorum
+        read_before = self._read_before(key) if latest else None
+        known = known_digests(read_before)
         if latest:
-            found = await self._ask_holders(key)
+            found = await self._ask_holders(key, known)
             if found is not None:
                 if local is not None:
                     found.append(local)
-                return agreed_value(found, now=self._clock())
+                return self._merge_read(key, found, read_before)
         try:
             result = await self._lookup(
                 NodeID.from_key(key),
@@ -367,17 +375,52 @@ class DHTNode:
                 values_wanted=wanted,
                 hedge=not latest,
                 enough=None if latest else _signed,
+                known=known,
             )
         except LookupFailedError:
             if local is not None:
                 return local
             raise
-        if latest:
-            self._note_holders(key, result.closest)
         values = [value for _, value in result.values]
         if local is not None:
             values.append(local)
+        if latest:
+            self._note_holders(key, result.closest)
+            return self._merge_read(key, values, read_before)
         return agreed_value(values, now=self._clock())
+
+    def _read_before(self, key: bytes) -> DictionaryRecord | None:
+        """The signed entries of ``key``'s dictionary as a recent ``latest`` read merged them."""
+        kept = self._reads.get(key)
+        if kept is None:
+            return None
+        until, value = kept
+        if until <= self._clock():
+            del self._reads[key]
+            return None
+        return value
+
+    def _merge_read(
+        self, key: bytes, values: list[StoredValue], read_before: DictionaryRecord | None
+    ) -> StoredValue | None:
+        """Merge a ``latest`` read's replies with the entries the last read held.
+
+        The replicas leave out the entries this node said it knew, so those
+        come from the last read; entries are only replaced by newer signed
+        versions or expire, so the merge is what a full read would give.
+        """
+        now = self._clock()
+        merged = agreed_value(values, now=now)
+        if read_before is not None:
+            merged = merge_values([v for v in (merged, read_before) if v is not None], now=now)
+        if isinstance(merged, DictionaryRecord):
+            signed = {s: r for s, r in merged.entries.items() if r.signature is not None}
+            self._reads.pop(key, None)
+            if signed:
+                self._reads[key] = (now + _READS_S, DictionaryRecord(key, signed))
+                while len(self._reads) > _READS_MAX:
+                    self._reads.popitem(last=False)
+        return merged
 
     def _note_holders(self, key: bytes, closest: Sequence[Contact]) -> None:
         """Remember the replicas of ``key`` that a lookup found (for :meth:`_ask_holders`)."""
@@ -390,7 +433,7 @@ class DHTNode:
         while len(self._holders) > _HOLDERS_MAX:
             self._holders.popitem(last=False)
 
-    async def _ask_holders(self, key: bytes) -> list[StoredValue] | None:
+    async def _ask_holders(self, key: bytes, known: bytes = b"") -> list[StoredValue] | None:
         """What the replicas of ``key`` found lately hold, asked directly in one round.
 
         A key read again and again (a matchmaking dictionary polled until its
@@ -401,16 +444,18 @@ class DHTNode:
         own store, answer nearly always the same: they alone are asked.
         Queries that outlive the lookup patience are given up. ``None`` (do
         a lookup) when no holders are known or none answered; they are then
-        forgotten.
+        forgotten. ``known`` lists the dictionary entries the replies may
+        leave out (:func:`~p2ptrain.dht.protocol.known_digests`): a poll then
+        carries what changed since the last read, not the whole dictionary.
         """
-        known = self._holders.get(key)
-        if known is None:
+        found = self._holders.get(key)
+        if found is None:
             return None
-        until, holders = known
+        until, holders = found
         if until <= self._clock():
             del self._holders[key]
             return None
-        request = FindRequest(NodeID.from_key(key), key, self._sender).encode()
+        request = FindRequest(NodeID.from_key(key), key, self._sender, known).encode()
         tasks = [asyncio.ensure_future(self._query(c, request, key)) for c in holders]
         try:
             done, _ = await asyncio.wait(tasks, timeout=self._query_patience())
@@ -438,8 +483,12 @@ class DHTNode:
         values_wanted: int,
         hedge: bool = False,
         enough: Callable[[StoredValue], bool] | None = None,
+        known: bytes = b"",
     ) -> LookupResult[StoredValue]:
-        """Drive one lookup; ``enough(value)`` ends a FIND_VALUE at a value that suffices."""
+        """Drive one lookup; ``enough(value)`` ends a FIND_VALUE at a value that suffices.
+
+        ``known``: digests of dictionary entries the replies may leave out.
+        """
         lookup: IterativeLookup[StoredValue] = IterativeLookup(
             target,
             self.routing_table.nearest(target, self._dht.k),
@@ -448,7 +497,7 @@ class DHTNode:
             own_id=self.node_id,
             values_wanted=values_wanted,
         )
-        request = FindRequest(target, key, self._sender).encode()
+        request = FindRequest(target, key, self._sender, known).encode()
         loop = asyncio.get_running_loop()
         pending: dict[asyncio.Task[FindReply], Contact] = {}
         # Hedging: a plain get first asks only the closest candidate; the others
@@ -908,6 +957,7 @@ class DHTNode:
         contacts = self.routing_table.nearest(find.target, self._dht.k, exclude=(ctx.peer,))
         value = None if find.key is None else self.records.get(find.key, self._clock())
         if value is not None:
+            value = omit_known(value, find.known)
             # Refuse before building a reply the node's reply budget cannot take.
             size = min(self.config.max_reply_bytes, _value_bytes(value))
             budget = self.node.reply_budget

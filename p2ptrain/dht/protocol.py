@@ -13,7 +13,7 @@ Messages (msgpack bodies of unary RPCs; values travel in the raw payload)::
 
     dht.ping   {"a": sender}                          -> {"c": client_mode}
     dht.find   {"a": sender, "t": target}             -> {"n": contacts}
-    dht.find   {"a": sender, "k": key}                -> {"n": contacts, "r": rows} + values
+    dht.find   {"a": sender, "k": key, "h": known}    -> {"n": contacts, "r": rows} + values
     dht.store  {"a": sender, "r": rows} + values      -> {"s": statuses}
 
 * ``sender`` is ``"host:port"`` where the caller accepts connections, or nil
@@ -28,6 +28,12 @@ Messages (msgpack bodies of unary RPCs; values travel in the raw payload)::
   asked for). One row with a nil sub-key is a plain value; rows with distinct
   sub-keys are a dictionary. The payload is the values concatenated in row
   order, so their lengths must add up to its size.
+* ``known`` (optional) is the concatenated :func:`entry_digest` of the
+  signed dictionary entries the caller already holds under ``key``: the
+  callee leaves those out of its reply (a poll of a dictionary then costs
+  what changed, not the whole dictionary), but always returns at least one
+  entry, so a reply still shows that it holds the key. Unsigned entries are
+  always sent: the reader counts how many replicas carry them.
 * ``statuses`` has one entry per stored row: 1 stored, 2 an identical record
   was already held, 0 a newer record was kept, or a string saying why the
   record was rejected.
@@ -37,6 +43,8 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +57,9 @@ from p2ptrain.secure.identity import PeerID
 from p2ptrain.wire.frames import Buffer
 
 __all__ = [
+    "DIGEST_BYTES",
     "MAX_ADDRESS_CHARS",
+    "MAX_KNOWN_ENTRIES",
     "METHOD_FIND",
     "METHOD_PING",
     "METHOD_STORE",
@@ -64,6 +74,9 @@ __all__ = [
     "decode_contacts",
     "decode_sender",
     "encode_contacts",
+    "entry_digest",
+    "known_digests",
+    "omit_known",
 ]
 
 METHOD_PING = "dht.ping"
@@ -72,6 +85,13 @@ METHOD_STORE = "dht.store"
 
 MAX_ADDRESS_CHARS = 300
 """Longest ``host:port`` text accepted in a contact or sender field."""
+
+DIGEST_BYTES = 8
+"""Bytes of an :func:`entry_digest`."""
+
+MAX_KNOWN_ENTRIES = 1024
+"""Most entry digests a find request may list as already known."""
+
 
 _MAX_REASON_CHARS = 500
 
@@ -236,6 +256,49 @@ class PingReply:
 # -- dht.find ------------------------------------------------------------------------------
 
 
+def entry_digest(record: Record) -> bytes:
+    """A short name of one signed version of a dictionary entry (``known`` in a find).
+
+    BLAKE2b over the sub-key, the expiration and the signature: the signature
+    covers key, sub-key, value and expiration, so another version of the
+    entry has another digest.
+    """
+    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    digest.update(record.subkey or b"")
+    digest.update(struct.pack(">d", record.expiration))
+    digest.update(record.signature or b"")
+    return digest.digest()
+
+
+def known_digests(value: StoredValue | None) -> bytes:
+    """The ``known`` field for a poll of a dictionary held as ``value``: its signed entries."""
+    if not isinstance(value, DictionaryRecord):
+        return b""
+    signed = [r for r in value.entries.values() if r.signature is not None]
+    signed.sort(key=lambda r: -r.expiration)
+    return b"".join(entry_digest(r) for r in signed[:MAX_KNOWN_ENTRIES])
+
+
+def omit_known(value: StoredValue, known: bytes) -> StoredValue:
+    """``value`` without the signed dictionary entries whose digests are in ``known``.
+
+    At least one entry is left (the one that expires last), so the reply
+    still shows that the key is held; plain values are returned whole.
+    """
+    if not known or not isinstance(value, DictionaryRecord):
+        return value
+    names = {known[i : i + DIGEST_BYTES] for i in range(0, len(known), DIGEST_BYTES)}
+    kept = {
+        subkey: record
+        for subkey, record in value.entries.items()
+        if record.signature is None or entry_digest(record) not in names
+    }
+    if not kept:
+        last = max(value.entries.values(), key=lambda r: r.expiration)
+        kept = {last.subkey or b"": last}
+    return DictionaryRecord(value.key, kept)
+
+
 @dataclass(frozen=True, slots=True)
 class FindRequest:
     """``dht.find``: FIND_NODE (``key is None``) or FIND_VALUE of ``key``.
@@ -244,21 +307,27 @@ class FindRequest:
         target: The id looked up (SHA-256 of ``key`` for FIND_VALUE).
         key: The record key for FIND_VALUE, else ``None``.
         sender: The caller's ``host:port``, or ``None`` in client mode.
+        known: FIND_VALUE of a dictionary: the :func:`entry_digest` of the
+            entries the caller holds, concatenated (left out of the reply).
     """
 
     target: NodeID
     key: bytes | None = None
     sender: str | None = None
+    known: bytes = b""
 
     @classmethod
-    def for_key(cls, key: bytes, sender: str | None = None) -> FindRequest:
+    def for_key(cls, key: bytes, sender: str | None = None, known: bytes = b"") -> FindRequest:
         """A FIND_VALUE request for ``key``."""
-        return cls(NodeID.from_key(key), key, sender)
+        return cls(NodeID.from_key(key), key, sender, known)
 
     def encode(self) -> dict[str, Any]:
         """The msgpack body."""
         if self.key is not None:
-            return {"a": self.sender, "k": self.key}
+            body: dict[str, Any] = {"a": self.sender, "k": self.key}
+            if self.known:
+                body["h"] = self.known
+            return body
         return {"a": self.sender, "t": self.target.to_bytes32()}
 
     @classmethod
@@ -270,7 +339,16 @@ class FindRequest:
         if key is not None:
             if not isinstance(key, bytes) or len(key) > max_key_bytes:
                 raise _fail(f"a key is at most {max_key_bytes} bytes")
-            return cls.for_key(key, sender)
+            known = fields.get("h", b"")
+            if (
+                not isinstance(known, bytes)
+                or len(known) % DIGEST_BYTES
+                or len(known) > DIGEST_BYTES * MAX_KNOWN_ENTRIES
+            ):
+                raise _fail(
+                    f"known entries are {DIGEST_BYTES}-byte digests, at most {MAX_KNOWN_ENTRIES}"
+                )
+            return cls.for_key(key, sender, known)
         target = fields.get("t")
         if not isinstance(target, bytes) or len(target) != 32:
             raise _fail("a find request needs a 32-byte target or a key")
