@@ -362,6 +362,11 @@ def test_crossing_dials_between_easy_nats_share_one_holepunched_connection(
             later = loser.submit(traverse_once_dialed(loser, winner))
             dials = {winner: winner.submit(winner.nat.traverse(loser.peer_id)), loser: later}
         made = {peer: future.result(60) for peer, future in dials.items()}
+        if first == "neither" and made[winner].crossing:
+            # The larger's circuit reached the smaller before the smaller began
+            # its own traversal (its loop ran late): the smaller then waits for
+            # that dial (paths.py, "Crossing dials"), and the larger punches.
+            winner, loser = loser, winner
         assert made[winner].attempt == "tcp-holepunch", made[winner]
         # The loser waited for the winner's dial instead of punching (or falling back).
         assert made[loser].crossing and made[loser].attempts["crossing-dial"], made[loser]
