@@ -62,12 +62,13 @@ import itertools
 import logging
 import random
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from p2ptrain.aio import BackgroundTasks
 from p2ptrain.dht.config import DHTConfig
+from p2ptrain.dht.expiring import ExpiringMap
 from p2ptrain.dht.lookup import IterativeLookup, LookupMode, LookupResult
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.dht.protocol import (
@@ -185,13 +186,14 @@ class DHTNode:
         self._srtt: float | None = None  # smoothed duration of answered requests
         # callers whose address is being checked, each with the event set when it ends
         self._verifying: dict[PeerID, asyncio.Event] = {}
-        # Addresses a lookup gave up on lately -> when to forget it (insertion order).
-        self._unresponsive: OrderedDict[str, float] = OrderedDict()
-        # (caller, the address it answered at) -> until when it is believed there
-        self._verified: OrderedDict[tuple[PeerID, str], float] = OrderedDict()
-        # key -> (until when, the replicas a lookup found for it): see find_value
-        self._holders: OrderedDict[bytes, tuple[float, tuple[Contact, ...]]] = OrderedDict()
-        self._reads: OrderedDict[bytes, tuple[float, DictionaryRecord]] = OrderedDict()
+        # Addresses a lookup gave up on lately, each until _UNRESPONSIVE_S after.
+        self._unresponsive: ExpiringMap[str, bool] = ExpiringMap(_UNRESPONSIVE_MAX)
+        # (caller, the address it answered at), believed for _VERIFIED_S
+        self._verified: ExpiringMap[tuple[PeerID, str], bool] = ExpiringMap(_VERIFIED_MAX)
+        # key -> the replicas a lookup found for it lately: see find_value
+        self._holders: ExpiringMap[bytes, tuple[Contact, ...]] = ExpiringMap(_HOLDERS_MAX)
+        # key -> the signed entries the last `latest` read of it merged: see _merge_read
+        self._reads: ExpiringMap[bytes, DictionaryRecord] = ExpiringMap(_READS_MAX)
         self._none_verifying = asyncio.Event()
         self._none_verifying.set()
         # How long a PING waits for its caller's address check (see _serve_ping):
@@ -359,7 +361,7 @@ class DHTNode:
         # believed when most of `get_quorum` replicas carry it (agreed_value).
         quorum = min(self.config.get_quorum, self._dht.effective_replicas)
         wanted = self._dht.effective_replicas if latest else quorum
-        read_before = self._read_before(key) if latest else None
+        read_before = self._reads.get(key, self._clock()) if latest else None
         known = known_digests(read_before)
         if latest:
             found = await self._ask_holders(key, known)
@@ -389,17 +391,6 @@ class DHTNode:
             return self._merge_read(key, values, read_before)
         return agreed_value(values, now=self._clock())
 
-    def _read_before(self, key: bytes) -> DictionaryRecord | None:
-        """The signed entries of ``key``'s dictionary as a recent ``latest`` read merged them."""
-        kept = self._reads.get(key)
-        if kept is None:
-            return None
-        until, value = kept
-        if until <= self._clock():
-            del self._reads[key]
-            return None
-        return value
-
     def _merge_read(
         self, key: bytes, values: list[StoredValue], read_before: DictionaryRecord | None
     ) -> StoredValue | None:
@@ -415,11 +406,10 @@ class DHTNode:
             merged = merge_values([v for v in (merged, read_before) if v is not None], now=now)
         if isinstance(merged, DictionaryRecord):
             signed = {s: r for s, r in merged.entries.items() if r.signature is not None}
-            self._reads.pop(key, None)
             if signed:
-                self._reads[key] = (now + _READS_S, DictionaryRecord(key, signed))
-                while len(self._reads) > _READS_MAX:
-                    self._reads.popitem(last=False)
+                self._reads.put(key, DictionaryRecord(key, signed), now + _READS_S)
+            else:
+                self._reads.pop(key)
         return merged
 
     def _note_holders(self, key: bytes, closest: Sequence[Contact]) -> None:
@@ -428,10 +418,7 @@ class DHTNode:
         replicas = replicas[: min(self.config.get_quorum, self._dht.effective_replicas)]
         if not replicas:
             return
-        self._holders.pop(key, None)
-        self._holders[key] = (self._clock() + _HOLDERS_S, replicas)
-        while len(self._holders) > _HOLDERS_MAX:
-            self._holders.popitem(last=False)
+        self._holders.put(key, replicas, self._clock() + _HOLDERS_S)
 
     async def _ask_holders(self, key: bytes, known: bytes = b"") -> list[StoredValue] | None:
         """What the replicas of ``key`` found lately hold, asked directly in one round.
@@ -448,12 +435,8 @@ class DHTNode:
         leave out (:func:`~p2ptrain.dht.protocol.known_digests`): a poll then
         carries what changed since the last read, not the whole dictionary.
         """
-        found = self._holders.get(key)
-        if found is None:
-            return None
-        until, holders = found
-        if until <= self._clock():
-            del self._holders[key]
+        holders = self._holders.get(key, self._clock())
+        if holders is None:
             return None
         request = FindRequest(NodeID.from_key(key), key, self._sender, known).encode()
         tasks = [asyncio.ensure_future(self._query(c, request, key)) for c in holders]
@@ -470,7 +453,7 @@ class DHTNode:
             except _FAILURES as exc:
                 logger.debug("holder of a key failed: %s", exc)
         if not replies:
-            self._holders.pop(key, None)
+            self._holders.pop(key)
             return None
         return [reply.value for reply in replies if reply.value is not None]
 
@@ -565,22 +548,14 @@ class DHTNode:
 
     def _note_unresponsive(self, address: str, now: float) -> None:
         """A lookup gave up on ``address``: later lookups skip it for a while."""
-        self._unresponsive.pop(address, None)
-        self._unresponsive[address] = now + _UNRESPONSIVE_S
-        while len(self._unresponsive) > _UNRESPONSIVE_MAX:
-            self._unresponsive.popitem(last=False)
+        self._unresponsive.put(address, True, now + _UNRESPONSIVE_S)
 
     def _responsive(self, contacts: Sequence[Contact]) -> Sequence[Contact]:
         """``contacts`` of a reply without those at addresses that stalled a lookup lately."""
         if not self._unresponsive:
             return contacts
         now = asyncio.get_running_loop().time()
-        while self._unresponsive:  # drop expired entries (oldest first)
-            address, until = next(iter(self._unresponsive.items()))
-            if until > now:
-                break
-            del self._unresponsive[address]
-        return [c for c in contacts if c.address not in self._unresponsive]
+        return [c for c in contacts if self._unresponsive.get(c.address, now) is None]
 
     async def _query(
         self, contact: Contact, request: dict[str, Any], key: bytes | None
@@ -912,11 +887,7 @@ class DHTNode:
                 self._none_verifying.set()
 
     def _note_verified(self, contact: Contact) -> None:
-        key = (contact.peer_id, contact.address)
-        self._verified.pop(key, None)
-        self._verified[key] = self._clock() + _VERIFIED_S
-        while len(self._verified) > _VERIFIED_MAX:
-            self._verified.popitem(last=False)
+        self._verified.put((contact.peer_id, contact.address), True, self._clock() + _VERIFIED_S)
 
     def _verified_lately(self, contact: Contact) -> bool:
         """Whether ``contact`` answered at its address in the last ``_VERIFIED_S``.
@@ -925,8 +896,7 @@ class DHTNode:
         peers of a large swarm) would otherwise be probed again at every
         request it makes, a fresh connection and handshake each time.
         """
-        until = self._verified.get((contact.peer_id, contact.address))
-        return until is not None and until > self._clock()
+        return self._verified.get((contact.peer_id, contact.address), self._clock()) is not None
 
     async def callers_verified(self) -> None:
         """Wait until no caller's announced address is being checked (see ``verify_callers``)."""
