@@ -146,14 +146,14 @@ def loopback_report(
             else ours.cpu_s_per_gb / theirs.cpu_s_per_gb
         )
         plain = _ratio(by_key.get(("p2ptrain-plaintext", size * MiB)), theirs)
+        gloo_goal = gloo_goal_for(size)
         ratios[f"{size}MiB"] = {
             "p2ptrain_over_gloo": None if vs_gloo is None else round(vs_gloo, 3),
             "p2ptrain_plaintext_over_gloo": None if plain is None else round(plain, 3),
             "p2ptrain_over_gloo_cpu": None if cpu_ratio is None else round(cpu_ratio, 3),
             "hivemind_over_p2ptrain": None if vs_hm is None else round(vs_hm, 2),
-            "gloo_goal": gloo_goal_for(size),
+            "gloo_goal": gloo_goal,
         }
-        gloo_goal = gloo_goal_for(size)
         gloo_met = None if vs_gloo is None else vs_gloo <= gloo_goal
         hm_met = None if vs_hm is None else vs_hm >= HIVEMIND_GOAL
         gloo_text = "-" if vs_gloo is None else f"{vs_gloo:.2f}"
