@@ -9,6 +9,7 @@ from test_dht_node import (  # noqa: F401 - make_dht is a fixture
     DHTFactory,
     make_dht,
     swarm,
+    while_serving_healthy,
 )
 
 from p2ptrain.dht.node import DHTNode
@@ -23,7 +24,7 @@ from p2ptrain.dht.protocol import (
     omit_known,
 )
 from p2ptrain.dht.records import DictionaryRecord, Record, owner_bound_key, sign_record
-from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.errors import InvalidArgumentError, RemoteProtocolError
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import Identity
 
@@ -157,3 +158,26 @@ async def test_a_raw_find_with_known_digests_leaves_them_out(
     some = next(iter(everything.entries.values()))
     assert len((await find(entry_digest(some))).entries) == 2
     assert len((await find(known_digests(everything))).entries) == 1
+
+
+@pytest.mark.parametrize("known", [b"\x00" * (DIGEST_BYTES + 1), "text"])
+async def test_a_malformed_known_field_is_refused_while_others_are_served(
+    make_dht: DHTFactory,  # noqa: F811 - the fixture imported above
+    make_node: NodeFactory,
+    known: object,
+) -> None:
+    victim, writer, reader = await swarm(make_dht, 3)
+    key = "mm/step-1/g2"
+    assert await victim.store(key, 1, victim.now() + 60, subkey=victim.owned_key("m"))
+    attacker = await make_node()
+
+    body = {"a": None, "k": key.encode(), "h": known}
+
+    async def attack() -> None:
+        for _ in range(3):
+            with pytest.raises(InvalidArgumentError, match="known entries"):
+                await attacker.call(victim.address, METHOD_FIND, body, timeout=5)
+        found = await reader.get_dictionary(key)  # the victim still answers well-formed reads
+        assert [v.value for v in found.values()] == [1]
+
+    assert await while_serving_healthy(writer, reader, attack) >= 3
