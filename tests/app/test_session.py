@@ -212,21 +212,35 @@ def test_a_stopped_swarm_resumes_from_its_checkpoints(
     assert "ready" in boot.next_line(deadline)
     address = boot.next_line(deadline).split("--join", 1)[1].strip()
 
-    def run(seconds: str) -> list[list[dict[str, Any]]]:
+    def run(reach: list[int]) -> list[list[dict[str, Any]]]:
+        """Train two peers until peer i reported global step ``reach[i]``, then
+        stop them with SIGTERM (a clean end: checkpoint, end event). A condition,
+        not a fixed time: on a loaded machine the second peer may join seconds
+        after the first."""
         common = ["train", "--join", address, "--run-id", "resume", "--task", str(task_file)]
-        common += ["--seconds", seconds, "--target-batch-size", "32", "--batch-size", "8"]
+        common += ["--seconds", "100", "--target-batch-size", "32", "--batch-size", "8"]
         common += ["--log-json", "-", "--torch-threads", "1", "--checkpoint-every", "1"]
         peers = [
             cli_process(*common, "--checkpoint", str(tmp_path / f"peer{i}.pt")) for i in range(2)
         ]
         procs.extend(peers)
-        return [_events_until_end(peer, deadline) for peer in peers]
+        events: list[list[dict[str, Any]]] = [[], []]
+        for peer, seen, step in zip(peers, events, reach, strict=True):
+            while not seen or seen[-1].get("global_step", -1) < step:
+                seen.append(json.loads(peer.next_line(deadline)))
+                assert seen[-1]["event"] != "end", seen[-1]
+        for peer in peers:
+            peer.process.terminate()
+        for peer, seen in zip(peers, events, strict=True):
+            while seen[-1]["event"] != "end":
+                seen.append(json.loads(peer.next_line(deadline)))
+        return events
 
-    before = run("4")
+    before = run([2, 2])
     steps = [events[-1]["global_step"] for events in before]
     assert min(steps) >= 2, steps
     last_loss = max(events[-1]["loss"] for events in before)
-    after = run("6")
+    after = run([step + 1 for step in steps])
     for events, step in zip(after, steps, strict=True):
         progress = [e for e in events if e["event"] == "progress"]
         assert progress[0]["global_step"] >= step  # resumed, not restarted from 0
