@@ -8,7 +8,8 @@ Both print JSON lines. The trainer (the swarm's first DHT peer) prints
 stdin until a line ``stop``, then settles (replays every pass known lost)
 and prints ``{"done", "delivered", "replayed", "retries"}``. A server prints
 ``{"ready"}``, then ``{"stepped", "in_steps"}`` at once after each stage step
-it applies (``in_steps``: its samples in the steps it applied so far); on a
+it applies (``in_steps``: its samples in the steps it applied so far) and
+``{"announced", "in_steps"}`` once the directory holds that step's receipts; on a
 line ``stop`` it closes (handing its last gradients to the optimizer) and
 prints ``{"closed", "in_steps", "local"}``. Each exits when its stdin closes.
 """
@@ -102,8 +103,8 @@ def serve(join: str, stage: int) -> None:
     )
 
     def on_event(event: str, _stage: int) -> None:
-        if event == "stepped":
-            _emit(stepped=server.global_step, in_steps=server.stats.samples_in_steps)
+        if event in ("stepped", "announced"):
+            _emit(**{event: server.global_step}, in_steps=server.stats.samples_in_steps)
 
     server.on_event = on_event
     _, stop = _lines()

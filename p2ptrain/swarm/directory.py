@@ -72,8 +72,8 @@ async def announce(
     step: int,
     ttl: float,
     receipts: Receipts | None = None,
-) -> None:
-    """Publish (or refresh) this server's entry for ``stage``."""
+) -> bool:
+    """Publish (or refresh) this server's entry for ``stage``; whether a replica holds it."""
     value: dict[str, object] = {
         "a": address,
         "r": float(samples_per_s),
@@ -82,7 +82,7 @@ async def announce(
     }
     if receipts is not None:
         value.update(receipts.to_wire())
-    await dht.store(
+    return await dht.store(
         stage_key(run_id, stage), value, dht.now() + ttl, subkey=dht.owned_key(SERVER_SUBKEY)
     )
 

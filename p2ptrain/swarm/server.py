@@ -283,7 +283,9 @@ class StageServer:
         self._closed = False
         self.on_event: Callable[[str, int], None] | None = None
         """Called on the peer's loop with (``forward_started`` | ``forward_done`` |
-        ``backward_done`` | ``stepped``, stage): for tests, demos and monitors."""
+        ``backward_done`` | ``stepped`` | ``announced``, stage): for tests, demos and
+        monitors. ``announced`` follows a ``stepped`` once the directory holds the
+        receipts of that step."""
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -570,7 +572,8 @@ class StageServer:
                 self._emit("stepped", state.index)
                 # Receipts out at once: a trainer that finds this peer dead
                 # replays what its last receipts did not count.
-                await self._announce()
+                if await self._announce():
+                    self._emit("announced", state.index)
 
     def _hand_over(self, state: _Stage, *, everything: bool = True) -> None:
         """Give the accumulated gradients to the stage's optimizer as one batch (stepper
@@ -624,14 +627,15 @@ class StageServer:
             await self._announce()
             await asyncio.sleep(self.config.announce_interval)
 
-    async def _announce(self) -> None:
+    async def _announce(self) -> bool:
+        """Publish this server's entry with its receipts; whether the directory took it."""
         state = self._state  # while moving: still the old stage, whose receipts trainers read
         if state is None:
-            return
+            return False
         with state.copt.state_lock:
             receipts = state.ledger.announced()
         try:
-            await announce(
+            return await announce(
                 self.peer.dht,
                 self.config.run_id,
                 state.index,
@@ -644,6 +648,7 @@ class StageServer:
             )
         except P2PTrainError as exc:
             logger.warning("could not announce stage %d: %s", state.index, exc)
+            return False
 
     async def _expire_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -299,7 +299,7 @@ class PipelineTrainer:
         lost: list[_Unconfirmed] = []
         settled: set[int] = {id(e) for e in self._unconfirmed if e.receipt is None}
         for (address, inc), entries in groups.items():
-            receipts = await self._ask_receipts(address, inc)
+            receipts = await self._ask_receipts(address, inc, entries[0].stage)
             if receipts is None:
                 continue
             for entry in entries:
@@ -316,11 +316,10 @@ class PipelineTrainer:
             self._replays.add(task)
             task.add_done_callback(self._replays.discard)
 
-    async def _ask_receipts(self, address: str, inc: str) -> Receipts | None:
+    async def _ask_receipts(self, address: str, inc: str, stage: int) -> Receipts | None:
         """The receipts of ``inc`` at ``address`` (for a server that is gone, restarted
         or unreachable: the last receipts seen, everything after them lost);
         ``None``: no answer this time."""
-        seen = self._receipts_seen.get((address, inc))
         try:
             reply = await self.peer.node.call(
                 address, RECEIPTS_METHOD, {"inc": inc}, timeout=self.config.call_timeout
@@ -329,15 +328,21 @@ class PipelineTrainer:
             # Gone only once it stays unreachable for gone_after seconds: a live
             # peer's transient failure must not replay what its steps counted.
             now = self._clock()
+            first = (address, inc) not in self._unreachable
             since = self._unreachable.setdefault((address, inc), now)
-            return _gone(seen) if now - since >= self.config.gone_after else None
+            gone = now - since >= self.config.gone_after
+            if first or gone:
+                # A server killed right after a step announced that step's receipts
+                # in the directory, where its entry outlives it for announce_ttl.
+                await self._stage_candidates(stage, force=True)
+            return _gone(self._receipts_seen.get((address, inc))) if gone else None
         except (P2PTrainError, TimeoutError) as exc:
             logger.debug("no receipts from %s: %s", address[:16], exc)
             return None
         self._unreachable.pop((address, inc), None)
         body = reply.body
         if isinstance(body, dict) and body.get("unknown") is True:
-            return _gone(seen)
+            return _gone(self._receipts_seen.get((address, inc)))
         receipts = Receipts.from_wire(body)
         if receipts is None or receipts.incarnation != inc:
             return None

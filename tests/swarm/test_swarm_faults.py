@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
 from swarm_peers import RUN, kill, make_trainer, regression_batch, server_config, swarm
+from train_worker import FAST_MATCHMAKING, peer_config
 
 from p2ptrain.errors import InvalidArgumentError, ResourceExhaustedError, StageUnavailableError
+from p2ptrain.peer import Peer
+from p2ptrain.swarm.directory import announce
+from p2ptrain.swarm.ledger import Receipts
 from p2ptrain.swarm.protocol import (
     BACKWARD_METHOD,
     FORWARD_METHOD,
     RELEASE_METHOD,
     request_body,
 )
+from p2ptrain.swarm.trainer import _Unconfirmed
 from p2ptrain.wire.tensors import encode_tensor
 
 
@@ -99,8 +106,8 @@ def test_a_stage_with_no_live_peer_pauses_with_a_status_line_then_gives_up() -> 
 def test_samples_a_killed_peer_had_not_yet_averaged_are_replayed_and_counted_once() -> None:
     # Stage steps of 20 micro-batches: the victim holds committed, unaveraged samples
     # (the first micro-batch), and the kill comes before stage 1's first step, so no
-    # step is in flight at the kill (a peer killed within a confirmation interval
-    # after a step is the window docs/pipeline.md leaves open).
+    # step is in flight at the kill (a peer killed after a step and before its
+    # receipts reached the directory is the window docs/pipeline.md leaves open).
     # A floor on compute keeps stage steps ~1 s apart: the two stage-1 peers then
     # average together (far faster steps outrun their matchmaking and one of them
     # keeps downloading the other's state, losing and replaying its samples).
@@ -143,3 +150,34 @@ def test_samples_a_killed_peer_had_not_yet_averaged_are_replayed_and_counted_onc
         )
         assert stage0 == delivered
         assert stage1 == delivered
+
+
+def test_a_server_gone_right_after_a_step_is_settled_by_its_last_directory_receipts() -> None:
+    """A server killed before any reply carried its last step's receipts: the
+    directory entry it announced (and that expires soon after) says what that
+    step counted, so the trainer replays only the rest."""
+    with swarm([]) as (trainer_peer, _, _):
+        config = peer_config((trainer_peer.address,), FAST_MATCHMAKING)
+        dead = Peer(replace(config, nat=None, probe_seconds=None))
+        dead.start()
+        address = dead.address
+        receipts = Receipts("a1b2", contributed=5, lost=())
+        stored = announce(
+            dead.dht, RUN, 1, address=address, samples_per_s=1.0, queue=0, step=1, ttl=2.5,
+            receipts=receipts,
+        )  # fmt: skip
+        assert dead.run(stored)
+        kill(dead)
+        dead.close()
+        trainer = make_trainer(trainer_peer, gone_after=3.0, stage_wait=0.5)
+        x, grad = torch.zeros(4, 8), torch.zeros(4, 8)
+        counted = _Unconfirmed(1, address, ("a1b2", 3), x, grad, samples=4)
+        pending = _Unconfirmed(1, address, ("a1b2", 7), x, grad, samples=4)
+        trainer._unconfirmed = [counted, pending]
+        trainer_peer.run(trainer.confirm())  # unreachable: reads the directory once
+        assert trainer._unconfirmed == [counted, pending]  # not gone yet
+        time.sleep(3.1)  # the entry expired; the server counts as gone
+        trainer_peer.run(trainer.confirm())
+        assert trainer._unconfirmed == []
+        assert trainer.stats.replayed_samples == 4  # seq 7 only: seq 3 was in the step
+        trainer.close()
