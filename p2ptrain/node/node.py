@@ -26,7 +26,7 @@ from p2ptrain.errors import ConnectError, HandshakeError, RemoteProtocolError, T
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.limits import InboundLimiter, RateLimitedLog
-from p2ptrain.node.memory import release_for_loop
+from p2ptrain.node.memory import keep_freed_memory, release_for_loop
 from p2ptrain.node.network import Listener, Network, TCPNetwork
 from p2ptrain.node.router import Router
 from p2ptrain.rpc.budget import ByteBudget
@@ -134,6 +134,8 @@ class Node:
         )
         logger.info("node %s listening on %s", self.peer_id.short, self.address.endpoint)
         if self.config.memory_release_interval > 0:
+            if self.config.keep_freed_bytes:
+                keep_freed_memory(self.config.keep_freed_bytes)  # the passes return it
             self._tasks.spawn(self._release_memory_loop(), name="node-memory")
         if self.config.insecure_plaintext:
             logger.warning(
