@@ -84,7 +84,8 @@ def _trim_function() -> Callable[[int], int] | None:
         return None
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
-    return trim
+    function: Callable[[int], int] = trim
+    return function
 
 
 _kept = 0  # the trim threshold this process set, 0 before any
