@@ -30,6 +30,13 @@ saturation the rule sends more to the fast peers than their share of speed
 when the fast ones have a backlog). The jitter spreads ties; an
 unmeasured newcomer has ``T_i`` of its announced service time alone, so it
 gets work at once and gets measured; exploration re-measures the others.
+
+An unmeasured peer (no announced rate, no call returned yet) is costed at
+the stage's typical service time (the median over its measured peers), not
+at zero: at zero its backlog cost nothing, and every micro-batch a trainer
+sent before the first reply went to it. In the simulator at 256 peers and 10 %
+churn, 26 newcomers a period each drew up to the hold cap (64 micro-batches
+per trainer), and a slow newcomer held them for minutes.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Candidate", "LinkStats", "choose_peer", "expected_completion"]
+__all__ = ["Candidate", "LinkStats", "choose_peer", "expected_completion", "service_time"]
 
 
 @dataclass(frozen=True)
@@ -76,17 +83,24 @@ class LinkStats:
             self.latency_s += smoothing * (seconds - self.latency_s)
 
 
-def expected_completion(candidate: Candidate, stats: LinkStats | None, samples: int) -> float:
-    """``T_i`` of the module docstring, in seconds."""
+def service_time(candidate: Candidate, stats: LinkStats | None, samples: int) -> float | None:
+    """Seconds ``candidate`` takes for one ``samples``-sample micro-batch: from its
+    announced rate, else from the trainer's measured latency; ``None`` if unmeasured."""
+    if candidate.samples_per_s > 0:
+        return max(samples, 1) / candidate.samples_per_s
+    return None if stats is None else stats.latency_s
+
+
+def expected_completion(
+    candidate: Candidate, stats: LinkStats | None, samples: int, *, typical: float = 0.0
+) -> float:
+    """``T_i`` of the module docstring, in seconds (``typical``: the service time
+    assumed for an unmeasured peer)."""
     stats = stats or LinkStats()
-    rate = candidate.samples_per_s
     latency = stats.latency_s
-    if rate > 0:
-        service = max(samples, 1) / rate
-    elif latency is not None:
-        service = latency
-    else:
-        service = 0.0  # unmeasured: try it (the jitter spreads the newcomers)
+    service = service_time(candidate, stats, samples)
+    if service is None:
+        service = typical  # unmeasured: as fast as the stage's typical peer
     backlog = max(candidate.queue, 0) + stats.in_flight
     return backlog * service + (latency if latency is not None else service)
 
@@ -116,10 +130,16 @@ def choose_peer(
         return None
     if explore > 0 and len(pool) > 1 and rng.random() < explore:
         return pool[rng.randrange(len(pool))]
+    measured = sorted(
+        t for c in pool if (t := service_time(c, stats.get(c.address), samples)) is not None
+    )
+    typical = measured[len(measured) // 2] if measured else 0.0
     best: Candidate | None = None
     best_time = 0.0
     for candidate in pool:
-        when = expected_completion(candidate, stats.get(candidate.address), samples)
+        when = expected_completion(
+            candidate, stats.get(candidate.address), samples, typical=typical
+        )
         when = (when + 1e-6) * (1.0 + jitter * rng.random())
         if best is None or when < best_time:
             best, best_time = candidate, when

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -35,6 +36,26 @@ def test_earliest_expected_completion_serves_peers_in_proportion_to_speed() -> N
     for address, rate in rates.items():
         share = served[address] / total
         assert share == pytest.approx(rate / sum(rates.values()), abs=0.05), served
+
+
+def test_an_unmeasured_newcomer_is_costed_like_the_stage_and_not_flooded() -> None:
+    """Before any reply, a peer with no rate counts at the stage's median service
+    time: a trainer's burst of choices spreads over the peers instead of all going
+    to the newcomer (whose backlog used to cost nothing)."""
+    peers = [Candidate(f"p{i}", 8.0, 0) for i in range(3)] + [Candidate("new", 0.0, 0)]
+    stats: dict[str, LinkStats] = {}
+    rng = random.Random(1)
+    picks: collections.Counter[str] = collections.Counter()
+    for _ in range(40):  # calls in flight, none returned yet
+        chosen = choose_peer(peers, stats, samples=8, now=0.0, rng=rng, jitter=0.2)
+        assert chosen is not None
+        picks[chosen.address] += 1
+        stats.setdefault(chosen.address, LinkStats()).in_flight += 1
+    assert 6 <= picks["new"] <= 14, picks  # about a quarter, not all 40
+    assert all(6 <= picks[f"p{i}"] <= 14 for i in range(3)), picks
+    # Alone in its stage, an unmeasured peer still gets the work.
+    only = choose_peer([Candidate("new", 0.0, 5)], {}, samples=8, now=0.0, rng=rng, jitter=0.2)
+    assert only is not None and only.address == "new"
 
 
 def test_failed_peers_are_avoided_until_none_other_is_left() -> None:
