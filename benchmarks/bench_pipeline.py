@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         "--sim256-peers",
         type=int,
         default=64,
-        help="peers of the big sim (256 did not finish starting in 23 min on 2 loaded cores)",
+        help="peers of the big sim (256: about 15 min for 4 periods on one core here)",
     )
     parser.add_argument("--sim256-periods", type=int, default=4, help="periods of the big sim")
     parser.add_argument(
