@@ -27,16 +27,17 @@ peer twice as fast serves twice the samples (a queue simulation in
 ``tests/swarm/test_swarm_wiring.py`` checks the shares at 105 % load). Below
 saturation the rule sends more to the fast peers than their share of speed
 (it minimizes each micro-batch's completion time; a slow peer gets work only
-when the fast ones have a backlog). The jitter spreads ties; an
-unmeasured newcomer has ``T_i`` of its announced service time alone, so it
-gets work at once and gets measured; exploration re-measures the others.
+when the fast ones have a backlog). The jitter spreads ties; exploration
+re-measures the peers.
 
 An unmeasured peer (no announced rate, no call returned yet) is costed at
-the stage's typical service time (the median over its measured peers), not
-at zero: at zero its backlog cost nothing, and every micro-batch a trainer
-sent before the first reply went to it. In the simulator at 256 peers and 10 %
-churn, 26 newcomers a period each drew up to the hold cap (64 micro-batches
-per trainer), and a slow newcomer held them for minutes.
+the stage's typical service time (the median over its measured peers), so
+an idle newcomer gets work at once and gets measured, but its backlog counts
+like anyone's. Costed at zero, as it was, its backlog cost nothing and every
+micro-batch a trainer sent before the first reply went to it: in the
+simulator at 256 peers and 10 % churn, 26 newcomers a period each drew up to
+the hold cap (64 micro-batches per trainer), and a slow newcomer held them
+for minutes.
 """
 
 from __future__ import annotations
