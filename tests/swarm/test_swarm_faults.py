@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 import torch
-from swarm_peers import RUN, kill, make_trainer, regression_batch, server_config, swarm
+from swarm_peers import (
+    RUN,
+    kill,
+    make_trainer,
+    regression_batch,
+    server_config,
+    swarm,
+    trainer_config,
+)
+from torch import nn
 from train_worker import FAST_MATCHMAKING, peer_config
 
 from p2ptrain.errors import InvalidArgumentError, ResourceExhaustedError, StageUnavailableError
@@ -22,7 +30,7 @@ from p2ptrain.swarm.protocol import (
     RELEASE_METHOD,
     request_body,
 )
-from p2ptrain.swarm.trainer import _Unconfirmed
+from p2ptrain.swarm.trainer import PipelineTrainer, _Unconfirmed
 from p2ptrain.wire.tensors import encode_tensor
 
 
@@ -154,8 +162,9 @@ def test_samples_a_killed_peer_had_not_yet_averaged_are_replayed_and_counted_onc
 
 def test_a_server_gone_right_after_a_step_is_settled_by_its_last_directory_receipts() -> None:
     """A server killed before any reply carried its last step's receipts: the
-    directory entry it announced (and that expires soon after) says what that
-    step counted, so the trainer replays only the rest."""
+    directory entry it announced says what that step counted. The trainer reads
+    it at the first failed ask and keeps it (the entry may expire before the
+    server counts as gone), so it replays only the rest."""
     with swarm([]) as (trainer_peer, _, _):
         config = peer_config((trainer_peer.address,), FAST_MATCHMAKING)
         dead = Peer(replace(config, nat=None, probe_seconds=None))
@@ -163,20 +172,28 @@ def test_a_server_gone_right_after_a_step_is_settled_by_its_last_directory_recei
         address = dead.address
         receipts = Receipts("a1b2", contributed=5, lost=())
         stored = announce(
-            dead.dht, RUN, 1, address=address, samples_per_s=1.0, queue=0, step=1, ttl=2.5,
+            dead.dht, RUN, 1, address=address, samples_per_s=1.0, queue=0, step=1, ttl=60.0,
             receipts=receipts,
         )  # fmt: skip
         assert dead.run(stored)
         kill(dead)
         dead.close()
-        trainer = make_trainer(trainer_peer, gone_after=3.0, stage_wait=0.5)
+        now = [0.0]  # the trainer's clock: gone_after passes when the test says so
+        trainer = PipelineTrainer(
+            peer=trainer_peer,
+            config=trainer_config(gone_after=3.0),
+            loss=nn.functional.mse_loss,
+            seed=0,
+            clock=lambda: now[0],
+        )
         x, grad = torch.zeros(4, 8), torch.zeros(4, 8)
         counted = _Unconfirmed(1, address, ("a1b2", 3), x, grad, samples=4)
         pending = _Unconfirmed(1, address, ("a1b2", 7), x, grad, samples=4)
         trainer._unconfirmed = [counted, pending]
         trainer_peer.run(trainer.confirm())  # unreachable: reads the directory once
         assert trainer._unconfirmed == [counted, pending]  # not gone yet
-        time.sleep(3.1)  # the entry expired; the server counts as gone
+        assert trainer._receipts_seen[(address, "a1b2")] == receipts  # kept from the entry
+        now[0] += 3.0  # unreachable for gone_after: the server counts as gone
         trainer_peer.run(trainer.confirm())
         assert trainer._unconfirmed == []
         assert trainer.stats.replayed_samples == 4  # seq 7 only: seq 3 was in the step
