@@ -46,7 +46,7 @@ from p2ptrain.swarm import (
     even_bounds,
     read_stage,
 )
-from p2ptrain.swarm.rebalance import PeerLoad, RebalanceConfig, Rebalancer
+from p2ptrain.swarm.rebalance import RebalanceConfig, Rebalancer, read_loads
 from p2ptrain.train.progress import ProgressConfig
 
 
@@ -117,16 +117,6 @@ def _peer(join: str | None, *, fast: bool = True) -> Peer:
     return peer
 
 
-async def _loads(peer: Peer, run: str, stages: int) -> list[PeerLoad]:
-    found = await asyncio.gather(*(read_stage(peer.dht, run, s) for s in range(stages)))
-    by_peer = {
-        str(a.peer_id): PeerLoad(str(a.peer_id), a.stage, a.samples_per_s, a.queue)
-        for entries in found
-        for a in entries
-    }
-    return list(by_peer.values())
-
-
 def serve(args: argparse.Namespace, model: PipelineModel) -> None:
     fast = not args.default_intervals
     peer = _peer(args.join, fast=fast)
@@ -157,7 +147,7 @@ def serve(args: argparse.Namespace, model: PipelineModel) -> None:
         rebalancer = Rebalancer(
             me=str(peer.peer_id),
             config=RebalanceConfig(stages=model.stages, period_s=args.rebalance_s),
-            read_loads=lambda: _loads(peer, args.run, model.stages),
+            read_loads=lambda: read_loads(peer.dht, args.run, model.stages),
             move_to=server.move_to,
             rng=random.Random(os.getpid()),
         )

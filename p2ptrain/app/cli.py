@@ -273,7 +273,15 @@ def _add_pipeline_flags(train: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve one stage of a pipeline run and train through it (the task declares blocks)",
     )
-    group.add_argument("--stage", type=int, help="stage to serve (default: the least served)")
+    group.add_argument(
+        "--stage", type=int, help="stage to serve first (default: one short of capacity)"
+    )
+    group.add_argument(
+        "--rebalance-s",
+        type=float,
+        help="every this many seconds, move to the bottleneck stage when that raises the "
+        "pipeline's throughput (default: off; 30 suits most runs)",
+    )
     group.add_argument(
         "--memory-budget-mb", type=float, help="cap on a stage's parameters + optimizer state"
     )
@@ -711,6 +719,7 @@ def _run_pipeline_train(args: argparse.Namespace) -> int:
         in_flight=args.in_flight,
         identity_path=args.identity,
         torch_threads=args.torch_threads,
+        rebalance_s=args.rebalance_s,
     )
     log = json_line_writer(sys.stdout) if args.log_json == "-" else None
     summary = run_pipeline_peer(config, display=sys.stderr, log=log, announce=joined, stop=stop)

@@ -1,11 +1,13 @@
 """``p2ptrain train --pipeline``: a peer that serves a pipeline stage and trains through it.
 
-The peer joins the swarm, picks a stage (``--stage``, or the stage with the
-fewest announced servers), refuses it with a clear message if the stage's
+The peer joins the swarm, picks a stage (``--stage``, or one short of capacity
+as the stage directory shows it), refuses it with a clear message if the stage's
 parameters and optimizer state do not fit ``--memory-budget-mb``, serves it
 (:class:`~p2ptrain.swarm.StageServer`) and pushes its own micro-batches
 through the whole pipeline (:class:`~p2ptrain.swarm.PipelineTrainer`),
-printing a status line and, with ``--log-json``, one JSON event per second.
+optionally rebalancing (``--rebalance-s``: every period it may move to the
+bottleneck stage, :class:`~p2ptrain.swarm.rebalance.Rebalancer`), printing a
+status line and, with ``--log-json``, one JSON event per second.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +27,6 @@ import torch
 from p2ptrain.app.task import PipelineTask, load_pipeline_task
 from p2ptrain.app.train import shard_of
 from p2ptrain.dht.node_config import DHTNodeConfig
-from p2ptrain.errors import P2PTrainError
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.peer import Peer, PeerConfig
 from p2ptrain.swarm import (
@@ -33,9 +35,9 @@ from p2ptrain.swarm import (
     PipelineTrainerConfig,
     StageServer,
     StageServerConfig,
-    read_stage,
     stage_memory_bytes,
 )
+from p2ptrain.swarm.rebalance import RebalanceConfig, Rebalancer, newcomer_stage, read_loads
 from p2ptrain.train.progress import ProgressConfig
 from p2ptrain.validate import check_integer, check_number
 
@@ -53,7 +55,8 @@ class PipelinePeerConfig:
         run_id: The pipeline run.
         node: How the node listens.
         task: The pipeline task module (default: charlm as blocks).
-        stage: The stage to serve; ``None``: the one with the fewest servers.
+        stage: The stage to serve first; ``None``: one short of capacity
+            (:func:`~p2ptrain.swarm.rebalance.newcomer_stage`).
         target_batch_size: Samples per stage step, all of the stage's peers together.
         batch_size: Samples per micro-batch.
         seconds: Stop after this long; ``None``: until stopped.
@@ -63,6 +66,8 @@ class PipelinePeerConfig:
         identity_path: Key file (keeps the PeerID across restarts).
         torch_threads: ``torch.set_num_threads`` for the stage and the trainer,
             or ``None`` for torch's default (all cores).
+        rebalance_s: Rebalancing period in seconds (the peer may move to the
+            bottleneck stage each period); ``None``: it stays on its stage.
     """
 
     initial_peers: tuple[str, ...]
@@ -78,6 +83,7 @@ class PipelinePeerConfig:
     in_flight: int = 2
     identity_path: str | None = None
     torch_threads: int | None = None
+    rebalance_s: float | None = None
 
     def __post_init__(self) -> None:
         owner = "PipelinePeerConfig"
@@ -89,6 +95,7 @@ class PipelinePeerConfig:
         check_number(f"{owner}.seconds", self.seconds, allow_none=True)
         check_number(f"{owner}.memory_budget_mb", self.memory_budget_mb, allow_none=True)
         check_number(f"{owner}.compute_floor_s", self.compute_floor_s, above=-1e-12)
+        check_number(f"{owner}.rebalance_s", self.rebalance_s, above=0, allow_none=True)
 
 
 @dataclass(frozen=True)
@@ -119,15 +126,11 @@ def stage_bytes(task: PipelineTask, model: PipelineModel, stage: int) -> int:
     return stage_memory_bytes(module, task.make_optimizer(module.parameters()))
 
 
-async def least_served_stage(peer: Peer, run_id: str, num_stages: int) -> int:
-    """The stage with the fewest announced servers (the lowest index on ties)."""
-    counts = []
-    for stage in range(num_stages):
-        try:
-            counts.append(len(await read_stage(peer.dht, run_id, stage)))
-        except P2PTrainError:
-            counts.append(0)
-    return min(range(num_stages), key=lambda s: (counts[s], s))
+async def newcomer_stage_of(peer: Peer, run_id: str, num_stages: int) -> int:
+    """The stage this peer should join: drawn among the stages short of capacity as
+    the directory shows them (:func:`~p2ptrain.swarm.rebalance.newcomer_stage`)."""
+    loads = await read_loads(peer.dht, run_id, num_stages)
+    return newcomer_stage(loads, num_stages, random.Random())
 
 
 def run_pipeline_peer(
@@ -167,7 +170,7 @@ def run_pipeline_peer(
     with Peer(peer_config) as peer:
         stage = config.stage
         if stage is None:
-            stage = peer.run(least_served_stage(peer, config.run_id, model.num_stages), 30)
+            stage = peer.run(newcomer_stage_of(peer, config.run_id, model.num_stages), 30)
         server = StageServer(
             peer=peer,
             model=model,
@@ -179,7 +182,29 @@ def run_pipeline_peer(
             if announce is not None:
                 announce(peer.address)
             print(f"serving stage {stage} as {peer.address}", file=display, flush=True)
-            return _train(config, task, peer, server, display, log, stop or threading.Event())
+            rebalancing = _start_rebalancer(config, peer, server)
+            try:
+                return _train(config, task, peer, server, display, log, stop or threading.Event())
+            finally:
+                if rebalancing is not None:
+                    rebalancing.cancel()
+                    concurrent.futures.wait([rebalancing], timeout=10)
+
+
+def _start_rebalancer(
+    config: PipelinePeerConfig, peer: Peer, server: StageServer
+) -> concurrent.futures.Future[None] | None:
+    """Run a :class:`Rebalancer` for ``server`` on the peer's loop (``None`` when off)."""
+    if config.rebalance_s is None:
+        return None
+    stages = server.model.num_stages
+    rebalancer = Rebalancer(
+        me=str(peer.peer_id),
+        config=RebalanceConfig(stages=stages, period_s=config.rebalance_s),
+        read_loads=lambda: read_loads(peer.dht, config.run_id, stages),
+        move_to=server.move_to,
+    )
+    return peer.submit(rebalancer.run())
 
 
 def _server_config(config: PipelinePeerConfig, budget: int | None) -> StageServerConfig:

@@ -61,7 +61,9 @@ import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from p2ptrain.dht.api import DHT
 from p2ptrain.errors import ConfigError, P2PTrainError
+from p2ptrain.swarm.directory import read_stage_or_empty
 
 __all__ = [
     "Decision",
@@ -74,6 +76,7 @@ __all__ = [
     "newcomer_stage",
     "pipeline_throughput",
     "plan_moves",
+    "read_loads",
     "stage_capacity",
 ]
 
@@ -209,15 +212,46 @@ def keepers(loads: Sequence[PeerLoad]) -> dict[int, str]:
     return found
 
 
-def newcomer_stage(loads: Sequence[PeerLoad], stages: int) -> int:
-    """The stage a peer that joins should serve: the one with the least summed
-    capacity (an unserved stage first; ties: fewer peers, then the lower index)."""
-    totals = stage_capacity(loads, stages)
+def newcomer_stage(loads: Sequence[PeerLoad], stages: int, rng: random.Random | None = None) -> int:
+    """The stage a peer that joins should serve.
+
+    An unserved stage first; otherwise a stage of least summed capacity, where
+    unmeasured peers count at the median measured capacity
+    (:func:`estimate_unmeasured`), so a stage that newcomers just joined does
+    not keep looking empty. With ``rng`` the choice is drawn among the stages
+    within one typical peer (the median capacity) of the least, so peers that
+    join together, from the same view of the directory, spread over the stages
+    that need them instead of piling on one; without it, the lowest index wins.
+    """
+    estimated = estimate_unmeasured(loads)
+    totals = stage_capacity(estimated, stages)
     counts = [0] * stages
     for load in loads:
         if load.stage < stages:
             counts[load.stage] += 1
-    return min(range(stages), key=lambda s: (counts[s] > 0, totals[s], counts[s], s))
+    unserved = [s for s in range(stages) if counts[s] == 0]
+    if unserved:
+        return unserved[0] if rng is None else rng.choice(unserved)
+    speeds = sorted(load.throughput for load in estimated if load.stage < stages)
+    typical = speeds[len(speeds) // 2]
+    least = min(totals)
+    near = [s for s in range(stages) if totals[s] < least + typical or totals[s] == least]
+    if rng is None:
+        return min(near, key=lambda s: (totals[s], counts[s], s))
+    return rng.choice(near)
+
+
+async def read_loads(dht: DHT, run_id: str, stages: int) -> list[PeerLoad]:
+    """Every stage's announced peers from the stage directory, one :class:`PeerLoad`
+    a peer (a peer that just moved and lingers under its old stage counts once; a
+    stage that cannot be read counts as unserved)."""
+    found = await asyncio.gather(*(read_stage_or_empty(dht, run_id, s) for s in range(stages)))
+    loads: dict[str, PeerLoad] = {}
+    for entries in found:
+        for a in entries:
+            load = PeerLoad(str(a.peer_id), a.stage, a.samples_per_s, a.queue)
+            loads[load.peer] = load
+    return list(loads.values())
 
 
 def _predicted(

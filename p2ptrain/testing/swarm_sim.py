@@ -69,12 +69,12 @@ from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.secure.identity import Identity
 from p2ptrain.swarm.config import PipelineTrainerConfig, StageServerConfig
-from p2ptrain.swarm.directory import read_stage_or_empty
 from p2ptrain.swarm.rebalance import (
     PeerLoad,
     RebalanceConfig,
     Rebalancer,
     newcomer_stage,
+    read_loads,
 )
 from p2ptrain.swarm.server import StageServer
 from p2ptrain.swarm.stages import PipelineModel
@@ -465,17 +465,6 @@ class SimStagePeer:
         return await read_loads(dht, self.server.config.run_id, self._config.stages)
 
 
-async def read_loads(dht: DHT, run_id: str, stages: int) -> list[PeerLoad]:
-    """Every stage's announcements from the directory, as :class:`PeerLoad` (one per peer)."""
-    found = await asyncio.gather(*(read_stage_or_empty(dht, run_id, s) for s in range(stages)))
-    loads: dict[str, PeerLoad] = {}
-    for entries in found:
-        for a in entries:
-            load = PeerLoad(str(a.peer_id), a.stage, a.samples_per_s, a.queue)
-            loads[load.peer] = load  # a peer that just moved may linger under its old stage
-    return list(loads.values())
-
-
 class SwarmSimulation:
     """Stage peers, trainers and rebalancers on one :class:`SimNetwork`; use ``async with``."""
 
@@ -613,7 +602,7 @@ class SwarmSimulation:
         if self._bootstrap is None or self._bootstrap.dht is None:
             return
         loads = await read_loads(self._bootstrap.dht, self.RUN_ID, self.config.stages)
-        server = await self._start_server(newcomer_stage(loads, self.config.stages))
+        server = await self._start_server(newcomer_stage(loads, self.config.stages, self.rng))
         self.servers.append(server)
 
     async def period(self) -> PeriodResult:

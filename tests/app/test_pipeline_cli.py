@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -132,3 +133,42 @@ def test_a_stage_over_the_memory_budget_is_refused_with_both_figures(swarm: Swar
     assert result.returncode == 2, result.stderr[-2000:]
     assert "stage 1 needs 1.0" in result.stderr
     assert "budget is 0.50 MB: refusing to serve it" in result.stderr
+
+
+TWO_STAGES = """
+from p2ptrain.examples.charlm.pipeline import CharLMPipelineTask
+
+
+def make_pipeline_task():
+    return CharLMPipelineTask(num_stages=2)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_peers_started_three_to_one_rebalance_to_two_and_two_and_stay(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    # Four equal (emulated) devices on two stages, three on stage 0: moving one
+    # doubles the pipeline's throughput, and once at 2/2 no move gains anything.
+    task = tmp_path / "two_stages.py"
+    task.write_text(TWO_STAGES)
+    period = 3.0
+    for index, stage in enumerate([0, 0, 0, 1]):
+        swarm.start(
+            index, stage, "--task", str(task), "--memory-budget-mb", "100",
+            "--compute-floor", "0.1", "--rebalance-s", str(period),
+        )  # fmt: skip
+
+    def counts() -> list[int]:
+        stages = [swarm.latest.get(i, {}).get("stage") for i in range(4)]
+        return [stages.count(0), stages.count(1)]
+
+    swarm.until(time.monotonic() + 150, lambda i, e: counts() == [2, 2])
+    moved = [i for i in range(3) if swarm.latest[i]["stage"] == 1]
+    assert len(moved) == 1
+    settled = time.monotonic()
+    swarm.until(settled + 60, lambda i, e: time.monotonic() > settled + 4 * period)
+    assert counts() == [2, 2], "a peer moved again after the split was even"
+    step = swarm.latest[moved[0]]["step"]
+    swarm.until(time.monotonic() + 60, lambda i, e: i == moved[0] and e["step"] > step)

@@ -17,6 +17,7 @@ from p2ptrain.swarm.rebalance import (
     Rebalancer,
     decide,
     estimate_unmeasured,
+    newcomer_stage,
     pipeline_throughput,
     plan_moves,
     stage_capacity,
@@ -218,3 +219,43 @@ def test_peers_still_unmeasured_count_at_the_median_and_draw_no_one() -> None:
     assert [load.throughput for load in estimated] == [1.0, 1.0, 1.0, 1.0, 1.0, 3.0]
     assert plan_moves(estimated, config) == []
     assert estimate_unmeasured(_loads([1, 1], speeds=[0.0])) == _loads([1, 1], speeds=[0.0])
+
+
+def test_a_newcomer_takes_an_unserved_stage_first() -> None:
+    loads = _loads([3, 0, 2, 0], speeds=[5.0])
+    assert newcomer_stage(loads, 4) == 1
+    drawn = {newcomer_stage(loads, 4, random.Random(seed)) for seed in range(40)}
+    assert drawn == {1, 3}
+
+
+def test_a_newcomer_goes_to_the_least_capacity_counting_unmeasured_peers_at_the_median() -> None:
+    # Stage 0 holds two newcomers that announce 0 (no backward yet): read raw it
+    # would look poorest (capacity 1) and draw every newcomer after them; at the
+    # median it holds 3, and stage 2 (capacity 2) is the poorest.
+    loads = _loads([3, 2, 2], speeds=[1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    loads[3] = PeerLoad(peer=loads[3].peer, stage=1, throughput=2.0)
+    assert stage_capacity(loads, 3) == [1.0, 3.0, 2.0]
+    assert newcomer_stage(loads, 3) == 2
+
+
+def _stages(*speeds: Sequence[float]) -> list[PeerLoad]:
+    return [
+        PeerLoad(peer=f"s{stage}p{i}", stage=stage, throughput=speed)
+        for stage, of_stage in enumerate(speeds)
+        for i, speed in enumerate(of_stage)
+    ]
+
+
+def test_newcomers_that_join_together_spread_over_the_stages_near_the_least() -> None:
+    # A typical peer serves 1.0. Stages 1 and 2 are within one typical peer of the
+    # least (stage 0, 3.0), stage 3 (5.0) is not. Newcomers reading this same view
+    # are drawn among 0, 1 and 2; without a random source the least (0) wins.
+    loads = _stages([1, 1, 1], [1, 1, 1.5], [1, 1, 1.5], [1, 1, 1, 1, 1])
+    assert stage_capacity(loads, 4) == [3.0, 3.5, 3.5, 5.0]
+    assert newcomer_stage(loads, 4) == 0
+    rng = random.Random(7)
+    picks = [newcomer_stage(loads, 4, rng) for _ in range(3000)]
+    assert picks.count(3) == 0
+    assert all(900 < picks.count(s) < 1100 for s in range(3))
+    much_richer = _stages([1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1])
+    assert {newcomer_stage(much_richer, 4, random.Random(seed)) for seed in range(40)} == {0}
