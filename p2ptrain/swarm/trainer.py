@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import time
@@ -55,7 +56,7 @@ from p2ptrain.peer import Peer
 from p2ptrain.rpc.handlers import Message
 from p2ptrain.swarm.compute import compute_pool
 from p2ptrain.swarm.config import PipelineTrainerConfig
-from p2ptrain.swarm.directory import read_stage_or_empty
+from p2ptrain.swarm.directory import read_stage
 from p2ptrain.swarm.ledger import Receipts
 from p2ptrain.swarm.protocol import (
     BACKWARD_METHOD,
@@ -127,6 +128,7 @@ class PipelineTrainer:
         self._clock = clock
         self._links: dict[str, LinkStats] = {}
         self._candidates: dict[int, tuple[float, list[Candidate]]] = {}
+        self._reads: dict[int, asyncio.Future[list[Candidate]]] = {}
         self._waiting: dict[int, float] = {}
         self._unconfirmed: list[_Unconfirmed] = []
         self._replays: set[asyncio.Task[None]] = set()
@@ -391,7 +393,7 @@ class PipelineTrainer:
 
     async def aclose(self) -> None:
         """Stop confirming and replaying, and the loss thread (on the peer's loop)."""
-        tasks = [t for t in (self._confirmer, *self._replays) if t is not None]
+        tasks = [t for t in (self._confirmer, *self._replays, *self._reads.values()) if t]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -468,11 +470,32 @@ class PipelineTrainer:
             await asyncio.sleep(self.config.retry_interval)
 
     async def _stage_candidates(self, stage: int, *, force: bool) -> list[Candidate]:
-        now = self._clock()
+        """The stage's peers as last read from the directory, re-read when older than
+        ``refresh_interval`` (or ``force``). Every micro-batch that needs a fresh list
+        at once waits on one read of the stage, not a read each."""
         cached = self._candidates.get(stage)
-        if cached is not None and not force and now - cached[0] < self.config.refresh_interval:
+        age = math.inf if cached is None else self._clock() - cached[0]
+        if cached is not None and not force and age < self.config.refresh_interval:
             return cached[1]
-        found = await read_stage_or_empty(self.peer.dht, self.config.run_id, stage)
+        reading = self._reads.get(stage)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read_candidates(stage))
+            self._reads[stage] = reading
+            reading.add_done_callback(lambda _done: self._reads.pop(stage, None))
+        return await asyncio.shield(reading)
+
+    async def _read_candidates(self, stage: int) -> list[Candidate]:
+        """Read the stage's directory; a failed lookup keeps the last list read (an
+        unreachable DHT is not an empty stage)."""
+        now = self._clock()
+        try:
+            found = await read_stage(self.peer.dht, self.config.run_id, stage)
+        except P2PTrainError as exc:
+            cached = self._candidates.get(stage)
+            logger.debug("could not read stage %d (%s); keeping the last list", stage, exc)
+            candidates = [] if cached is None else cached[1]
+            self._candidates[stage] = (now, candidates)
+            return candidates
         for a in found:
             if a.receipts is not None:
                 self._saw_receipts(a.address, a.receipts)

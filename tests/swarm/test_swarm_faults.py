@@ -20,9 +20,16 @@ from swarm_peers import (
 from torch import nn
 from train_worker import FAST_MATCHMAKING, peer_config
 
-from p2ptrain.errors import InvalidArgumentError, ResourceExhaustedError, StageUnavailableError
+from p2ptrain.errors import (
+    InvalidArgumentError,
+    LookupFailedError,
+    ResourceExhaustedError,
+    StageUnavailableError,
+)
 from p2ptrain.peer import Peer
-from p2ptrain.swarm.directory import announce
+from p2ptrain.secure.identity import Identity
+from p2ptrain.swarm import trainer as trainer_module
+from p2ptrain.swarm.directory import StageAnnouncement, announce
 from p2ptrain.swarm.ledger import Receipts
 from p2ptrain.swarm.protocol import (
     BACKWARD_METHOD,
@@ -198,3 +205,48 @@ def test_a_server_gone_right_after_a_step_is_settled_by_its_last_directory_recei
         assert trainer._unconfirmed == []
         assert trainer.stats.replayed_samples == 4  # seq 7 only: seq 3 was in the step
         trainer.close()
+
+
+async def test_micro_batches_share_one_directory_read_and_a_failed_read_keeps_the_list(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A trainer keeps hundreds of micro-batches in flight; when the stage list needs
+    # a refresh they must not each read the DHT (a herd that makes lookups fail),
+    # and a failed lookup must not read as "this stage has no peer" (a pause).
+    peer_id = Identity.generate().peer_id
+    entry = StageAnnouncement(peer_id, 0, f"{peer_id}@127.0.0.1:1", 8.0, 0, 0, 1e12, None, False)
+    reads: list[int] = []
+    outcome: list[object] = [[entry]]
+    release = asyncio.Event()
+
+    async def read_stage(_dht: object, _run: str, stage: int) -> list[StageAnnouncement]:
+        reads.append(stage)
+        await release.wait()
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]  # type: ignore[return-value]
+
+    class _Peer:
+        dht = None
+
+    monkeypatch.setattr(trainer_module, "read_stage", read_stage)
+    now = [0.0]
+    trainer = PipelineTrainer(
+        peer=_Peer(),  # type: ignore[arg-type]
+        config=trainer_config(),
+        loss=nn.functional.mse_loss,
+        seed=0,
+        clock=lambda: now[0],
+    )
+    waiters = [asyncio.ensure_future(trainer._stage_candidates(0, force=True)) for _ in range(200)]
+    await asyncio.sleep(0)
+    release.set()
+    lists = await asyncio.gather(*waiters)
+    assert reads == [0]  # one read for all 200
+    assert all([c.address for c in found] == [entry.address] for found in lists)
+    now[0] += 100.0  # stale: the next call reads again, and that lookup fails
+    outcome[0] = LookupFailedError("no DHT peer answered")
+    kept = await trainer._stage_candidates(0, force=False)
+    assert reads == [0, 0]
+    assert [c.address for c in kept] == [entry.address]  # not an empty stage
+    assert await trainer._stage_candidates(1, force=True) == []  # never read: nothing to keep
