@@ -71,7 +71,7 @@ from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import PeerID
 from p2ptrain.swarm.compute import compute_pool
 from p2ptrain.swarm.config import StageServerConfig
-from p2ptrain.swarm.device import BACKWARD, FORWARD, Device, ThreadDevice
+from p2ptrain.swarm.device import Device, ThreadDevice
 from p2ptrain.swarm.directory import announce, withdraw
 from p2ptrain.swarm.ledger import CommitLedger, Receipts
 from p2ptrain.swarm.protocol import (
@@ -720,7 +720,7 @@ class StageServer:
             tensor = request.tensor
             assert tensor is not None
             (x, y, step), elapsed = await self._device.run(
-                lambda: self._forward_job(state, tensor), _same, priority=FORWARD
+                lambda: self._forward_job(state, tensor), _same
             )
             self._forward_s.update(elapsed, _RATE_SMOOTHING)
             if self._state is not state or self._moving:
@@ -766,7 +766,6 @@ class StageServer:
         (grad_x, seq, receipts), elapsed = await self._device.run(
             lambda: self._backward_job(held, grad_y),
             lambda grads: self._commit(held.state, grads, samples, commit_by),
-            priority=BACKWARD,
         )
         self.stats.samples_committed += samples
         self._observe_rate(samples, elapsed)

@@ -69,7 +69,6 @@ from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.secure.identity import Identity
 from p2ptrain.swarm.config import PipelineTrainerConfig, StageServerConfig
-from p2ptrain.swarm.device import FORWARD, PriorityGate
 from p2ptrain.swarm.rebalance import (
     PeerLoad,
     RebalanceConfig,
@@ -277,37 +276,29 @@ class VirtualDevice:
     """A stage server's device on the virtual clock: the compute runs at once on
     the loop, then the call holds the device until ``min_compute_s`` virtual
     seconds passed (the emulated speed; :class:`~p2ptrain.swarm.device.ThreadDevice`
-    does the same in wall-clock time in real processes). Calls wait for it in
-    the same priority order (backward first)."""
+    does the same in wall-clock time in real processes)."""
 
     def __init__(self, min_compute_s: float) -> None:
         self.min_compute_s = min_compute_s
-        self._gate = PriorityGate()
-        self.busy = False
+        self._busy = asyncio.Lock()
 
     def now(self) -> float:
         """The loop's (virtual) time."""
         return asyncio.get_running_loop().time()
 
-    async def run(
-        self, compute: Callable[[], R], finish: Callable[[R], T], *, priority: int = FORWARD
-    ) -> tuple[T, float]:
+    async def run(self, compute: Callable[[], R], finish: Callable[[R], T]) -> tuple[T, float]:
         """``finish(compute())`` after ``min_compute_s`` virtual seconds of the device."""
-        await self._gate.acquire(priority)
-        self.busy = True
-        try:
+        async with self._busy:
             loop = asyncio.get_running_loop()
             started = loop.time()
             result = compute()
             await asyncio.sleep(self.min_compute_s)
             return finish(result), loop.time() - started
-        finally:
-            self.busy = False
-            self._gate.release()
 
     async def idle(self) -> None:
-        """Wait for the calls waiting now."""
-        await self._gate.drain()
+        """Wait for the running call."""
+        async with self._busy:
+            pass
 
     def shutdown(self) -> None:
         """Nothing to stop."""
