@@ -335,8 +335,9 @@ class PipelineTrainer:
             gone = now - since >= self.config.gone_after
             if first or gone:
                 # A server killed right after a step announced that step's receipts
-                # in the directory, where its entry outlives it for announce_ttl.
-                await self._stage_candidates(stage, force=True)
+                # in the directory, where its entry outlives it for announce_ttl: a
+                # read begun now (not one in flight, which may predate them).
+                await self._read_candidates(stage)
             return _gone(self._receipts_seen.get((address, inc))) if gone else None
         except (P2PTrainError, TimeoutError) as exc:
             logger.debug("no receipts from %s: %s", address[:16], exc)

@@ -63,6 +63,18 @@ class _Worker:
             if key in event:
                 return event
 
+    def skip_queued(self) -> None:
+        """Drop the events read but not yet waited for, so that the next
+        :meth:`wait_for` sees only what the worker prints from now on."""
+        while True:
+            try:
+                event = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if event is None:  # it exited: keep saying so
+                self._queue.put(None)
+                return
+
     def send(self, line: str) -> None:
         assert self.process.stdin is not None
         self.process.stdin.write(line + "\n")
@@ -113,6 +125,9 @@ def test_samples_in_stage_steps_equal_samples_delivered_over_five_kills() -> Non
             w.wait_for("ready", deadline)
         trainer.send("go")
         for victim in workers[2:]:
+            # Its next announcement, not one queued since it started: a victim that
+            # ran on through later steps would be killed at any moment of them.
+            victim.skip_queued()
             victim.wait_for("announced", deadline)
             time.sleep(rng.uniform(0.0, 0.5))
             victim.kill()
