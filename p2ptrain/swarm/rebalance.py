@@ -232,12 +232,12 @@ def newcomer_stage(loads: Sequence[PeerLoad], stages: int, rng: random.Random | 
     unserved = [s for s in range(stages) if counts[s] == 0]
     if unserved:
         return unserved[0] if rng is None else rng.choice(unserved)
+    if rng is None:
+        return min(range(stages), key=lambda s: (totals[s], counts[s], s))
     speeds = sorted(load.throughput for load in estimated if load.stage < stages)
     typical = speeds[len(speeds) // 2]
     least = min(totals)
     near = [s for s in range(stages) if totals[s] < least + typical or totals[s] == least]
-    if rng is None:
-        return min(near, key=lambda s: (totals[s], counts[s], s))
     return rng.choice(near)
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import random
 import time
@@ -474,9 +473,9 @@ class PipelineTrainer:
         """The stage's peers as last read from the directory, re-read when older than
         ``refresh_interval`` (or ``force``). Every micro-batch that needs a fresh list
         at once waits on one read of the stage, not a read each."""
+        now = self._clock()
         cached = self._candidates.get(stage)
-        age = math.inf if cached is None else self._clock() - cached[0]
-        if cached is not None and not force and age < self.config.refresh_interval:
+        if cached is not None and not force and now - cached[0] < self.config.refresh_interval:
             return cached[1]
         reading = self._reads.get(stage)
         if reading is None:
