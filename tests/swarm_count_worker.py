@@ -11,12 +11,16 @@ and prints ``{"done", "delivered", "replayed", "retries"}``. A server prints
 it applies (``in_steps``: its samples in the steps it applied so far) and
 ``{"announced", "in_steps"}`` once the directory holds that step's receipts; on a
 line ``stop`` it closes (handing its last gradients to the optimizer) and
-prints ``{"closed", "in_steps", "local"}``. Each exits when its stdin closes.
+prints ``{"closed", "in_steps", "local"}``; on a line ``die-at-step`` it kills
+itself (SIGKILL) right after its next stage step is applied, before any reply
+or announcement says what the step counted. Each exits when its stdin closes.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import threading
 from dataclasses import replace
@@ -50,17 +54,37 @@ def _peer(join: tuple[str, ...]) -> Peer:
     return peer
 
 
-def _lines() -> tuple[threading.Event, threading.Event]:
-    """(``go`` read, ``stop`` read or stdin closed)."""
-    go, stop = threading.Event(), threading.Event()
+def _lines() -> tuple[threading.Event, threading.Event, threading.Event]:
+    """(``go`` read, ``stop`` read or stdin closed, ``die-at-step`` read)."""
+    go, stop, die = threading.Event(), threading.Event(), threading.Event()
+    events = {"go": go, "die-at-step": die}
 
     def read() -> None:
         for line in sys.stdin:
-            (go if line.strip() == "go" else stop).set()
+            events.get(line.strip(), stop).set()
         stop.set()
 
     threading.Thread(target=read, daemon=True).start()
-    return go, stop
+    return go, stop, die
+
+
+def _die_at_next_step(server: StageServer, armed: threading.Event) -> None:
+    """Once ``armed``: kill -9 this process right after the next stage step is applied,
+    in the hand-over, before anything (a reply, the directory) says what it counted;
+    first print ``{"stepped", "in_steps"}`` with that step's samples."""
+    copt = server.optimizer
+    step = copt.step
+
+    def step_then_die(batch_size: int | None = None) -> bool:
+        before = copt.last_step
+        changed = step(batch_size)
+        record = copt.last_step
+        if armed.is_set() and record is not None and record is not before:
+            _emit(stepped=copt.global_step, in_steps=server.stats.samples_in_steps + record.own)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return changed
+
+    copt.step = step_then_die  # type: ignore[method-assign]
 
 
 def train() -> None:
@@ -69,7 +93,7 @@ def train() -> None:
         peer, refresh_interval=0.2, avoid_s=0.5, gone_after=1.0, call_timeout=3.0
     )
     _emit(address=peer.address)
-    go, stop = _lines()
+    go, stop, _ = _lines()
     go.wait()
     counter = iter(range(1 << 40))
 
@@ -107,8 +131,9 @@ def serve(join: str, stage: int) -> None:
             _emit(**{event: server.global_step}, in_steps=server.stats.samples_in_steps)
 
     server.on_event = on_event
-    _, stop = _lines()
+    _, stop, die = _lines()
     server.start()
+    _die_at_next_step(server, die)
     _emit(ready=True)
     stop.wait()
     server.close()

@@ -13,6 +13,16 @@ receipts say what became of its ``seq``:
   micro-batch through that stage on another peer;
 * the server vanished (no record at all): the same replay.
 
+A server that dies between a stage step and the announcement of that step's
+receipts leaves receipts that do not yet count what the step counted. So
+before every hand-over that may reach a step the server announces ahead what
+it handed (``handed``) and toward which stage step (``step``): a vanished
+server's commits in ``(contributed, handed]`` are *in doubt*, and the
+trainer asks the stage's other peers whether that step counted the server
+(each keeps who its steps counted; :class:`Vouch`). Counted: forgotten; not
+counted, or no peer knows: replayed. Commits past ``handed`` never reached
+the optimizer: replayed.
+
 So a killed peer costs a replay of what it had not yet averaged, and no
 sample is lost or counted twice. Lost ranges are kept for the last
 :data:`MAX_LOST_RANGES` losses.
@@ -23,8 +33,11 @@ from __future__ import annotations
 import os
 from collections import deque
 from dataclasses import dataclass
+from typing import TypeGuard
 
-__all__ = ["MAX_LOST_RANGES", "CommitLedger", "Receipts"]
+from p2ptrain.secure.identity import PeerID
+
+__all__ = ["MAX_LOST_RANGES", "CommitLedger", "Receipts", "Vouch"]
 
 MAX_LOST_RANGES = 32
 
@@ -36,6 +49,14 @@ class Receipts:
     incarnation: str
     contributed: int
     lost: tuple[tuple[int, int], ...]
+    handed: int = 0
+    """Every commit up to here reached the optimizer (at least ``contributed``)."""
+    step: int = 0
+    """The stage step the commits in ``(contributed, handed]`` are headed for."""
+
+    def __post_init__(self) -> None:
+        if self.handed < self.contributed:
+            object.__setattr__(self, "handed", self.contributed)
 
     def fate(self, seq: int) -> str:
         """``counted``, ``lost`` or ``pending`` for commit ``seq``."""
@@ -43,9 +64,30 @@ class Receipts:
             return "lost"
         return "counted" if seq <= self.contributed else "pending"
 
+    def in_doubt(self, seq: int) -> bool:
+        """Whether commit ``seq`` was handed to the optimizer and its step's fate is
+        not in these receipts (for a vanished server: ask who the step counted)."""
+        return self.fate(seq) == "pending" and seq <= self.handed
+
+    def settled(self, counted: bool) -> Receipts:
+        """These receipts once the step of the commits in doubt is known to have
+        ``counted`` this server, or not."""
+        if self.handed == self.contributed:
+            return self
+        if counted:
+            return Receipts(self.incarnation, self.handed, self.lost, self.handed, self.step)
+        lost = (*self.lost, (self.contributed + 1, self.handed))
+        return Receipts(self.incarnation, self.contributed, lost, self.handed, self.step)
+
     def to_wire(self) -> dict[str, object]:
         """The announcement's fields."""
-        return {"inc": self.incarnation, "cs": self.contributed, "ls": [list(r) for r in self.lost]}
+        return {
+            "inc": self.incarnation,
+            "cs": self.contributed,
+            "ls": [list(r) for r in self.lost],
+            "hd": self.handed,
+            "st": self.step,
+        }
 
     @classmethod
     def from_wire(cls, value: object) -> Receipts | None:
@@ -53,9 +95,10 @@ class Receipts:
         if not isinstance(value, dict):
             return None
         inc, contributed, lost = value.get("inc"), value.get("cs"), value.get("ls")
+        handed, step = value.get("hd", contributed), value.get("st", 0)
         if not isinstance(inc, str) or len(inc) > 64:
             return None
-        if isinstance(contributed, bool) or not isinstance(contributed, int) or contributed < 0:
+        if not (_count(contributed) and _count(handed) and _count(step)):
             return None
         if not isinstance(lost, list) or len(lost) > MAX_LOST_RANGES:
             return None
@@ -68,7 +111,26 @@ class Receipts:
             ):
                 return None
             ranges.append((item[0], item[1]))
-        return cls(inc, contributed, tuple(ranges))
+        return cls(inc, contributed, tuple(ranges), handed, step)
+
+
+def _count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass(frozen=True)
+class Vouch:
+    """Who one stage step this server applied was averaged with, and whose samples
+    it counted (its count marker's contributors; ``None``: unknown)."""
+
+    group: frozenset[PeerID]
+    counted: frozenset[PeerID] | None
+
+    def answer(self, peer: PeerID) -> bool | None:
+        """Whether the step counted ``peer``'s samples; ``None`` if this server cannot say."""
+        if peer not in self.group or self.counted is None:
+            return None
+        return peer in self.counted
 
 
 class CommitLedger:
@@ -119,6 +181,8 @@ class CommitLedger:
         self._lost.append((self._resolved + 1, upto))
         self._resolved = upto
 
-    def announced(self) -> Receipts:
-        """The receipts to announce."""
-        return Receipts(self.incarnation, self.contributed, tuple(self._lost))
+    def announced(self, step: int = 0) -> Receipts:
+        """The receipts to announce; ``step``: the stage step the optimizer is at (the
+        one the commits handed and not yet stepped are headed for)."""
+        handed = self._chunks[-1][0] if self._chunks else self.contributed
+        return Receipts(self.incarnation, self.contributed, tuple(self._lost), handed, step)

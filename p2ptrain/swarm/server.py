@@ -42,6 +42,7 @@ this same class (:mod:`p2ptrain.testing.swarm_sim`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -52,7 +53,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch import nn
@@ -73,7 +74,7 @@ from p2ptrain.swarm.compute import compute_pool
 from p2ptrain.swarm.config import StageServerConfig
 from p2ptrain.swarm.device import Device, ThreadDevice
 from p2ptrain.swarm.directory import announce, withdraw
-from p2ptrain.swarm.ledger import CommitLedger, Receipts
+from p2ptrain.swarm.ledger import CommitLedger, Receipts, Vouch
 from p2ptrain.swarm.protocol import (
     BACKWARD_METHOD,
     FORWARD_METHOD,
@@ -100,6 +101,11 @@ logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 _RATE_SMOOTHING = 0.2
+_VOUCHES_KEPT = 64  # stage steps whose counted members a server keeps
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class StageOptimizer(Protocol):
@@ -210,6 +216,10 @@ class _Stage:
         next commit overwrites, not adds."""
         self.handed_at = -math.inf
         self.ledger = CommitLedger()
+        self.written_ahead = (0, 0)
+        """(handed, step) of the receipts the directory last took."""
+        self.vouches: dict[int, Vouch] = {}
+        """Who the latest stage steps counted, by step (:mod:`p2ptrain.swarm.ledger`)."""
         self.copt = stage_optimizer(
             optimizer,
             self.module,
@@ -276,6 +286,8 @@ class StageServer:
         self._handing = threading.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._address = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._announcing = asyncio.Lock()
         self._past_receipts: dict[str, Receipts] = {}  # of stages this server left
         self._rate = MovingAverage()  # samples/s of forward plus backward
         self._forward_s = MovingAverage()
@@ -334,6 +346,7 @@ class StageServer:
 
     async def _serve(self) -> None:
         self._address = self.peer.address
+        self._loop = asyncio.get_running_loop()
         handlers = self.peer.node.handlers
         handlers.add_unary(FORWARD_METHOD, self._forward)
         handlers.add_unary(BACKWARD_METHOD, self._backward)
@@ -438,15 +451,16 @@ class StageServer:
             state.ledger.lose_unresolved()
             receipts = state.ledger.announced()
         self._past_receipts[receipts.incarnation] = receipts
-        with contextlib.suppress(P2PTrainError):
-            await withdraw(
-                self.peer.dht,
-                self.config.run_id,
-                state.index,
-                ttl=self.config.announce_ttl,
-                address=self._address,
-                receipts=receipts,
-            )
+        async with self._announcing:
+            with contextlib.suppress(P2PTrainError):
+                await withdraw(
+                    self.peer.dht,
+                    self.config.run_id,
+                    state.index,
+                    ttl=self.config.announce_ttl,
+                    address=self._address,
+                    receipts=receipts,
+                )
 
     def __enter__(self) -> StageServer:
         self.start()
@@ -608,6 +622,7 @@ class StageServer:
                 torch._foreach_div_(handed, samples)
         for i, p in enumerate(state.params):
             p.grad = None if handed is None else handed[i]
+        self._write_ahead(state)
         before, syncs = state.copt.last_step, state.copt.stats.syncs
         state.copt.step(batch_size=samples)
         record = state.copt.last_step
@@ -615,12 +630,41 @@ class StageServer:
             steps = self.stats.steps_by_stage
             steps[state.index] = steps.get(state.index, 0) + 1
             self.stats.samples_in_steps += record.own
-            state.ledger.stepped(record.own)
+            with state.copt.state_lock:
+                state.ledger.stepped(record.own)
+            state.vouches[record.step] = Vouch(frozenset(record.group), record.counted)
+            while len(state.vouches) > _VOUCHES_KEPT:
+                del state.vouches[min(state.vouches)]
         elif state.copt.stats.syncs != syncs and not state.copt.local_samples:
             # The swarm's state replaced what we held, and the optimizer dropped it. (When
             # it keeps them toward the next step, a step the swarm took without this peer,
             # the chunks stay: that step counts them, and a replay would count them twice.)
             state.ledger.lose_handed()
+
+    def _write_ahead(self, state: _Stage) -> None:
+        """Before the optimizer may count what was handed over: make sure the directory
+        holds what was handed and toward which step (stepper thread). A server that
+        dies after a step and before announcing its receipts leaves these, and the
+        stage's other peers say whether the step counted it (:mod:`p2ptrain.swarm.ledger`)."""
+        with state.copt.state_lock:
+            ahead = state.ledger.announced(state.copt.global_step)
+        if ahead.handed == ahead.contributed or state.written_ahead == (ahead.handed, ahead.step):
+            return
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # not serving: nobody reads receipts
+        try:
+            stored = asyncio.run_coroutine_threadsafe(self._announce(), loop).result(
+                timeout=self.config.announce_ttl
+            )
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            stored = False
+        if not stored:
+            logger.warning(
+                "stage %d: the directory did not take the hand-over's receipts; if this peer"
+                " dies right after the next step, trainers replay what that step counted",
+                state.index,
+            )
 
     async def _announce_loop(self) -> None:
         while True:
@@ -632,23 +676,30 @@ class StageServer:
         state = self._state  # while moving: still the old stage, whose receipts trainers read
         if state is None:
             return False
-        with state.copt.state_lock:
-            receipts = state.ledger.announced()
-        try:
-            return await announce(
-                self.peer.dht,
-                self.config.run_id,
-                state.index,
-                address=self._address,
-                samples_per_s=self.samples_per_s,
-                queue=len(self._held),
-                step=state.copt.global_step,
-                ttl=self.config.announce_ttl,
-                receipts=receipts,
-            )
-        except P2PTrainError as exc:
-            logger.warning("could not announce stage %d: %s", state.index, exc)
-            return False
+        # One store at a time, its receipts read when it begins: the directory keeps the
+        # latest store, and one begun before a hand-over must not land after its write-ahead.
+        async with self._announcing:
+            with state.copt.state_lock:
+                step = state.copt.global_step
+                receipts = state.ledger.announced(step)
+            try:
+                stored = await announce(
+                    self.peer.dht,
+                    self.config.run_id,
+                    state.index,
+                    address=self._address,
+                    samples_per_s=self.samples_per_s,
+                    queue=len(self._held),
+                    step=step,
+                    ttl=self.config.announce_ttl,
+                    receipts=receipts,
+                )
+            except P2PTrainError as exc:
+                logger.warning("could not announce stage %d: %s", state.index, exc)
+                return False
+        if stored:
+            state.written_ahead = (receipts.handed, receipts.step)
+        return stored
 
     async def _expire_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -822,7 +873,7 @@ class StageServer:
                     total.add_(grad, alpha=samples)
             state.pending += samples
             seq = state.ledger.commit()
-            receipts = state.ledger.announced()
+            receipts = state.ledger.announced(state.copt.global_step)
         return grad_x, seq, receipts
 
     def _observe_rate(self, samples: int, backward_s: float) -> None:
@@ -835,12 +886,35 @@ class StageServer:
         if not isinstance(inc, str):
             self.stats.bad_requests += 1
             raise InvalidArgumentError("a receipts request names an incarnation")
+        if "peer" in body:
+            return self._vouch(body)
         state = self._state
         found = self._past_receipts.get(inc)
         if found is None and state is not None and state.ledger.incarnation == inc:
             with state.copt.state_lock:
-                found = state.ledger.announced()
+                found = state.ledger.announced(state.copt.global_step)
         return Message({"unknown": True} if found is None else found.to_wire())
+
+    def _vouch(self, body: dict[str, Any]) -> Message:
+        """Whether this server's stage step ``step`` counted the samples of ``peer`` (a
+        stage peer that vanished): ``{"counted": bool | None, "at": steps applied}``,
+        ``None`` when this server cannot say (it was not in that step's group, or
+        does not serve ``stage``)."""
+        peer, stage, step = body.get("peer"), body.get("stage"), body.get("step")
+        if not (isinstance(peer, str) and _is_int(stage) and _is_int(step)):
+            self.stats.bad_requests += 1
+            raise InvalidArgumentError("a vouch request names a peer, a stage and a step")
+        try:
+            peer_id = PeerID.from_string(peer)
+        except (P2PTrainError, ValueError) as exc:
+            self.stats.bad_requests += 1
+            raise InvalidArgumentError(f"a vouch request names no peer: {exc}") from None
+        state = self._state
+        if state is None or state.index != stage:
+            return Message({"counted": None, "at": -1})
+        vouch = state.vouches.get(step)
+        counted = None if vouch is None else vouch.answer(peer_id)
+        return Message({"counted": counted, "at": state.copt.global_step})
 
     async def _release(self, ctx: CallContext, message: Message) -> Message:
         try:

@@ -51,6 +51,7 @@ from p2ptrain.errors import (
     StageUnavailableError,
     UnavailableError,
 )
+from p2ptrain.node.address import PeerAddress
 from p2ptrain.peer import Peer
 from p2ptrain.rpc.handlers import Message
 from p2ptrain.swarm.compute import compute_pool
@@ -88,6 +89,9 @@ class PipelineTrainerStats:
     paused_s: float = 0.0
     last_loss: float | None = None
     replayed_samples: int = 0
+    vouched: int = 0
+    """Vanished stage peers whose last step another peer of the stage said counted them
+    (so what that step counted was not replayed)."""
 
     def failed(self, reason: str) -> None:
         """Count one failed call by reason (the error's class name)."""
@@ -132,6 +136,7 @@ class PipelineTrainer:
         self._unconfirmed: list[_Unconfirmed] = []
         self._replays: set[asyncio.Task[None]] = set()
         self._confirmer: asyncio.Task[None] | None = None
+        self._confirming = asyncio.Lock()
         self._receipts_seen: dict[tuple[str, str], Receipts] = {}
         self._unreachable: dict[tuple[str, str], float] = {}
         self._compute = compute_pool("pipeline-loss")
@@ -291,8 +296,14 @@ class PipelineTrainer:
 
         A peer that stays unreachable (connection refused or closed) for
         ``gone_after`` seconds lost what its last receipts did not count; one
-        that does not answer in time is asked again next round.
+        that does not answer in time is asked again next round. One round at a time
+        (:meth:`settle` beside the confirming loop): two rounds that both found a
+        pass lost would replay it twice.
         """
+        async with self._confirming:
+            await self._confirm_round()
+
+    async def _confirm_round(self) -> None:
         groups: dict[tuple[str, str], list[_Unconfirmed]] = {}
         for entry in self._unconfirmed:
             if entry.receipt is not None:
@@ -337,29 +348,66 @@ class PipelineTrainer:
                 # in the directory, where its entry outlives it for announce_ttl: a
                 # read begun now (not one in flight, which may predate them).
                 await self._read_candidates(stage)
-            return _gone(self._receipts_seen.get((address, inc))) if gone else None
+            return await self._settle_gone(address, inc, stage) if gone else None
         except (P2PTrainError, TimeoutError) as exc:
             logger.debug("no receipts from %s: %s", address[:16], exc)
             return None
         self._unreachable.pop((address, inc), None)
         body = reply.body
         if isinstance(body, dict) and body.get("unknown") is True:
-            return _gone(self._receipts_seen.get((address, inc)))
+            return await self._settle_gone(address, inc, stage)
         receipts = Receipts.from_wire(body)
         if receipts is None or receipts.incarnation != inc:
             return None
         self._saw_receipts(address, receipts)
         return receipts
 
+    async def _settle_gone(self, address: str, inc: str, stage: int) -> Receipts | None:
+        """A vanished server's receipts (:func:`_gone`), once the stage's other peers said
+        whether the step its last receipts handed commits to counted it; ``None``
+        while none can say yet (ask again next round)."""
+        seen = self._receipts_seen.get((address, inc))
+        if seen is None or seen.handed == seen.contributed:
+            return _gone(seen)
+        counted = await self._ask_vouches(address, stage, seen)
+        if counted is None:
+            return None
+        self.stats.vouched += counted
+        return _gone(seen.settled(counted))
+
+    async def _ask_vouches(self, address: str, stage: int, seen: Receipts) -> bool | None:
+        """Ask every other peer of ``stage`` whether its step ``seen.step`` counted the
+        server at ``address``. Counted if one says so, not counted if one says not,
+        or if every one that answered is past that step and cannot say (it was in
+        no group with that server: nothing counted it that survives); ``None``
+        while a peer that answered has not reached that step, or none answered."""
+        peer_id = _peer_of(address)
+        if peer_id is None:
+            return False
+        others = [c.address for c in await self._read_candidates(stage) if c.address != address]
+        body = {"inc": seen.incarnation, "peer": peer_id, "stage": stage, "step": seen.step}
+        replies = await asyncio.gather(
+            *(
+                self.peer.node.call(a, RECEIPTS_METHOD, body, timeout=self.config.call_timeout)
+                for a in others
+            ),
+            return_exceptions=True,
+        )
+        answers = [r.body for r in replies if isinstance(r, Message) and isinstance(r.body, dict)]
+        said = [a.get("counted") for a in answers]
+        if True in said or False in said:
+            return True in said
+        behind = any(isinstance(a.get("at"), int) and 0 <= a["at"] <= seen.step for a in answers)
+        if not answers or behind:
+            return None
+        return False
+
     def _saw_receipts(self, address: str, receipts: Receipts) -> None:
         """Keep the newest receipts of a server's incarnation (from a reply or the
         directory): when the server vanishes, what they count is not replayed."""
         key = (address, receipts.incarnation)
         seen = self._receipts_seen.get(key)
-        if seen is None or (receipts.contributed, len(receipts.lost)) >= (
-            seen.contributed,
-            len(seen.lost),
-        ):
+        if seen is None or _newness(receipts) >= _newness(seen):
             self._receipts_seen[key] = receipts
 
     async def _replay(self, entry: _Unconfirmed) -> None:
@@ -545,6 +593,19 @@ def _gone(seen: Receipts | None) -> Receipts:
     return Receipts(
         seen.incarnation, seen.contributed, (*seen.lost, (seen.contributed + 1, 1 << 62))
     )
+
+
+def _newness(receipts: Receipts) -> tuple[int, int, int, int]:
+    return receipts.contributed, len(receipts.lost), receipts.step, receipts.handed
+
+
+def _peer_of(address: str) -> str | None:
+    """The peer id in ``address`` (``peerid@host:port``), as a string."""
+    try:
+        peer_id = PeerAddress.parse(address).peer_id
+    except (P2PTrainError, ValueError):
+        return None
+    return None if peer_id is None else str(peer_id)
 
 
 def _field(reply: Message, key: str) -> Any:

@@ -42,7 +42,7 @@ from p2ptrain.errors import ConfigError, MatchmakingError, P2PTrainError
 from p2ptrain.peer import Peer
 from p2ptrain.secure.identity import PeerID
 
-__all__ = ["RoundOutcome", "SwarmAverager", "group_weight", "step_key"]
+__all__ = ["RoundOutcome", "SwarmAverager", "counted_members", "group_weight", "step_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,9 @@ class RoundOutcome:
         allreduce_s: Seconds the all-reduce took.
         bytes_sent: Tensor bytes this peer sent.
         bytes_received: Tensor bytes it received.
-        report: The all-reduce report, if an all-reduce ran.
+        report: The all-reduce report, if an all-reduce ran (averaged in
+            groups: this peer's group's).
+        grouped: Averaged in groups (:mod:`p2ptrain.allreduce.grouped`).
     """
 
     step: int
@@ -81,6 +83,7 @@ class RoundOutcome:
     bytes_sent: int = 0
     bytes_received: int = 0
     report: AllReduceReport | None = None
+    grouped: bool = False
 
     @property
     def averaged(self) -> bool:
@@ -127,6 +130,25 @@ def group_weight(outcome: RoundOutcome, *, length: int, marker: float) -> int | 
     if not contributors or not marker > 0:
         return None
     return round(len(contributors) / marker)
+
+
+def counted_members(outcome: RoundOutcome, *, length: int) -> frozenset[PeerID] | None:
+    """The members whose weight a step's count holds: the contributors of the marker
+    element's chunk, as :func:`group_weight` reads them.
+
+    ``None`` when unknown: averaged alone or in groups, or that chunk's average
+    did not arrive.
+    """
+    report = outcome.report
+    if report is None or outcome.grouped:
+        return None
+    shard = next((s for s in report.shards if s.start < length <= s.stop), None)
+    if shard is None or not shard.chunk_contributors:
+        return None
+    contributors = shard.chunk_contributors[-1]
+    if contributors is None:
+        return None
+    return frozenset(report.members[i] for i in contributors)
 
 
 @dataclass
@@ -322,6 +344,7 @@ class SwarmAverager:
             bytes_sent=result.bytes_sent,
             bytes_received=sum(r.bytes_received for r in result.reports),
             report=report,
+            grouped=True,
         )
         return averaged.view_as(vector).to(vector.dtype), outcome
 

@@ -42,7 +42,8 @@ from p2ptrain.errors import (
 )
 from p2ptrain.metrics import Metrics
 from p2ptrain.peer import Peer
-from p2ptrain.train.averaging import RoundOutcome
+from p2ptrain.secure.identity import PeerID
+from p2ptrain.train.averaging import RoundOutcome, counted_members
 from p2ptrain.train.collaboration import (
     Collaboration,
     PendingAverage,
@@ -534,7 +535,30 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
                 return None
         return averaged
 
-    def _stepped(self, *, carried: int = 0, step_samples: int | None = None, own: int = 0) -> None:
-        """The step was applied; ``carried`` samples already count toward the next one."""
+    def _stepped(
+        self,
+        *,
+        carried: int = 0,
+        step_samples: int | None = None,
+        own: int = 0,
+        length: int | None = None,
+    ) -> None:
+        """The step was applied; ``carried`` samples already count toward the next one.
+        ``length``: the averaged vector's, when its last element is the count marker
+        (then the step's record says whose samples it counted)."""
         self._samples = carried
-        self._collaboration.stepped(self._step, samples=carried, step_samples=step_samples, own=own)
+        outcome = self._outcome
+        group: tuple[PeerID, ...] = ()
+        counted = None
+        if outcome is not None and outcome.fallback is None and outcome.report is not None:
+            group = outcome.report.members
+            if length is not None:
+                counted = counted_members(outcome, length=length)
+        self._collaboration.stepped(
+            self._step,
+            samples=carried,
+            step_samples=step_samples,
+            own=own,
+            group=group,
+            counted=counted,
+        )

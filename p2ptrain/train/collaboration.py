@@ -47,6 +47,7 @@ from p2ptrain.errors import (
 from p2ptrain.metrics import Metrics
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.peer import Peer
+from p2ptrain.secure.identity import PeerID
 from p2ptrain.train.averaging import RoundOutcome, SwarmAverager
 from p2ptrain.train.cut import Placement, StepPolicy, place_batch
 from p2ptrain.train.policy import Action, LeadTimer, decide, step_is_near
@@ -118,12 +119,17 @@ class StepRecord:
         samples: All the group's samples in it (the all-reduce's total
             weight), or ``None`` if unknown (e.g. a lossy codec).
         target: The target batch size.
+        group: The members it was averaged with, this peer among them (empty:
+            it stepped alone).
+        counted: The members whose samples ``samples`` holds, if known.
     """
 
     step: int
     own: int
     samples: int | None
     target: int | None
+    group: tuple[PeerID, ...] = ()
+    counted: frozenset[PeerID] | None = None
 
 
 @dataclass(frozen=True)
@@ -664,7 +670,14 @@ class Collaboration:
                 return future.result(timeout=0)  # raises TimeoutError
 
     def stepped(
-        self, step: int, *, samples: int = 0, step_samples: int | None = None, own: int = 0
+        self,
+        step: int,
+        *,
+        samples: int = 0,
+        step_samples: int | None = None,
+        own: int = 0,
+        group: tuple[PeerID, ...] = (),
+        counted: frozenset[PeerID] | None = None,
     ) -> None:
         """The trainer applied a step and is now at ``step`` with ``samples`` carried over.
 
@@ -674,6 +687,8 @@ class Collaboration:
             step_samples: Samples the swarm averaged in the step just applied,
                 if known.
             own: This peer's samples in that step.
+            group: Who it was averaged with (:class:`StepRecord`).
+            counted: Whose samples ``step_samples`` holds, if known.
         """
         self._fresh = False
         self._closed = False
@@ -681,7 +696,8 @@ class Collaboration:
         self._previous_closed_at, self._closed_at = self._closed_at, None
         self._stats = dataclasses.replace(self._stats, global_step=step)
         close_estimate, self._close_estimate = self._close_estimate, None
-        self.last_step = StepRecord(step - 1, own, step_samples, self.settings.target_batch_size)
+        target = self.settings.target_batch_size
+        self.last_step = StepRecord(step - 1, own, step_samples, target, group, counted)
         if step_samples is not None:
             self._step_done(step - 1, step_samples, own, close_estimate)
         self.report(step=step, samples=samples, blocked=False)

@@ -369,7 +369,9 @@ class CollaborativeOptimizer(SwarmTrainer):
         if self._carry is not None:
             self._accumulator, self._carry = self._carry, self._accumulator
             self._views, self._carry_views = self._carry_views, self._views
-        self._stepped(carried=carried, step_samples=step_samples, own=samples)
+        self._stepped(
+            carried=carried, step_samples=step_samples, own=samples, length=averaged.numel()
+        )
         logger.debug("step %d applied; %d samples carried over", self._step, carried)
 
     def _step_samples(self, averaged: torch.Tensor) -> int | None:

@@ -105,13 +105,14 @@ class _Worker:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_samples_in_stage_steps_equal_samples_delivered_over_five_kills() -> None:
-    """Two stages, each with a keeper and victims (three and two); the five
-    victims are killed one after another at random moments, each after it
-    applied a stage step and the directory took that step's receipts (so it
-    holds averaged and unaveraged samples). A kill between the step and its
-    receipts is the window docs/pipeline.md leaves open (those passes are
-    replayed although counted). All start together: a restarted peer would
-    cost a process start per kill."""
+    """Two stages, each with a keeper and victims (three and two), killed one
+    after another. Victims 1, 3 and 5 die at a random moment after a stage step
+    whose receipts the directory took (so each holds averaged and unaveraged
+    samples); victims 2 and 4 kill themselves right after a stage step is
+    applied, before any reply or announcement says what it counted (their
+    stage peers vouch for it, or the step's passes would be replayed a second
+    time). All start together: a restarted peer would cost a process start per
+    kill."""
     rng = random.Random(7)
     started = time.monotonic()
     deadline = started + 240
@@ -124,7 +125,12 @@ def test_samples_in_stage_steps_equal_samples_delivered_over_five_kills() -> Non
         for w in workers:
             w.wait_for("ready", deadline)
         trainer.send("go")
-        for victim in workers[2:]:
+        for k, victim in enumerate(workers[2:]):
+            if k % 2:
+                victim.send("die-at-step")
+                victim.process.wait(max(1.0, deadline - time.monotonic()))
+                victim.kill()  # reaps it and reads what it printed
+                continue
             # Its next announcement, not one queued since it started: a victim that
             # ran on through later steps would be killed at any moment of them.
             victim.skip_queued()

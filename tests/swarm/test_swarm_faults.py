@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -25,9 +27,11 @@ from p2ptrain.errors import (
     LookupFailedError,
     ResourceExhaustedError,
     StageUnavailableError,
+    UnavailableError,
 )
 from p2ptrain.peer import Peer
 from p2ptrain.secure.identity import Identity
+from p2ptrain.swarm import StageServer
 from p2ptrain.swarm import trainer as trainer_module
 from p2ptrain.swarm.directory import StageAnnouncement, announce
 from p2ptrain.swarm.ledger import Receipts
@@ -167,11 +171,88 @@ def test_samples_a_killed_peer_had_not_yet_averaged_are_replayed_and_counted_onc
         assert stage1 == delivered
 
 
+def test_a_peer_killed_between_a_step_and_its_receipts_is_vouched_for_by_its_stage() -> None:
+    """The victim dies right after its first stage step, before any reply or
+    announcement says what that step counted. Its directory entry holds what it
+    had handed toward that step (announced before the step); the stage's other
+    peer, which averaged with it, says the step counted it; so the trainer replays
+    only the commits after the step, and every sample counts once (the old
+    trainer replayed the whole step's share of the victim a second time)."""
+    config = server_config(
+        target_batch_size=320, announce_ttl=5.0, announce_interval=0.2, min_compute_s=0.01
+    )
+    with swarm([0, 1, 1], config=config) as (trainer_peer, peers, servers):
+        trainer = make_trainer(trainer_peer, refresh_interval=0.2, avoid_s=0.5, gone_after=1.0)
+        victim, survivor = servers[1], servers[2]
+        dead = _die_after_first_step(victim)
+        i = 0
+        while not dead.is_set():
+            trainer.step(*regression_batch(i), timeout=30)
+            i += 1
+            assert i < 2000
+        peers[1].run(victim.abort(), timeout=10)  # its server's loops die with the process
+        record = victim.optimizer.last_step
+        assert record is not None and len(record.group) == 2  # averaged with the survivor
+        step_at_kill = survivor.global_step
+        while trainer.awaiting(victim._address) or survivor.global_step < step_at_kill + 2:
+            trainer.step(*regression_batch(i), timeout=30)
+            i += 1
+            assert i < 3000
+        trainer_peer.run(trainer.settle(), timeout=60)
+        trainer.close()
+        delivered = trainer.stats.samples_delivered
+        for server in (servers[0], survivor):
+            server.close()  # hands the last partial step's samples to its optimizer
+        stage0 = servers[0].stats.samples_in_steps + servers[0].optimizer.local_samples
+        stage1 = (
+            victim.stats.samples_in_steps
+            + survivor.stats.samples_in_steps
+            + survivor.optimizer.local_samples
+        )
+        print(
+            f"delivered {delivered}, counted stage 0 {stage0}, stage 1 {stage1}; the victim's"
+            f" step counted {record.own} of its samples; replayed {trainer.stats.replayed_samples}"
+        )
+        assert trainer.stats.vouched == 1
+        assert stage0 == delivered
+        assert stage1 == delivered
+
+
+def _die_after_first_step(server: StageServer) -> threading.Event:
+    """``server``'s peer is killed right after its first stage step is applied (in the
+    hand-over, before the step's receipts exist); the event is set then."""
+    dead = threading.Event()
+    copt = server.optimizer
+    step, commit_now, announce_now = copt.step, server._commit, server._announce
+
+    def step_then_die(batch_size: int | None = None) -> bool:
+        before = copt.global_step
+        changed = step(batch_size)
+        if copt.global_step != before:
+            dead.set()
+            kill(server.peer)
+        return changed
+
+    def commit(*args: Any) -> Any:
+        if dead.is_set():
+            raise UnavailableError("dead")
+        return commit_now(*args)
+
+    async def announce() -> bool:
+        return False if dead.is_set() else await announce_now()
+
+    copt.step = step_then_die  # type: ignore[method-assign]
+    server._commit = commit  # type: ignore[method-assign]
+    server._announce = announce  # type: ignore[method-assign]
+    return dead
+
+
 def test_a_server_gone_right_after_a_step_is_settled_by_its_last_directory_receipts() -> None:
     """A server killed before any reply carried its last step's receipts: the
     directory entry it announced says what that step counted. The trainer reads
     it at the first failed ask and keeps it (the entry may expire before the
-    server counts as gone), so it replays only the rest."""
+    server counts as gone), so it replays only the rest, and once however many
+    confirming rounds run at a time."""
     with swarm([]) as (trainer_peer, _, _):
         config = peer_config((trainer_peer.address,), FAST_MATCHMAKING)
         dead = Peer(replace(config, nat=None, probe_seconds=None))
@@ -201,9 +282,14 @@ def test_a_server_gone_right_after_a_step_is_settled_by_its_last_directory_recei
         assert trainer._unconfirmed == [counted, pending]  # not gone yet
         assert trainer._receipts_seen[(address, "a1b2")] == receipts  # kept from the entry
         now[0] += 3.0  # unreachable for gone_after: the server counts as gone
-        trainer_peer.run(trainer.confirm())
+
+        async def twice() -> None:  # settle() beside the confirming loop
+            await asyncio.gather(trainer.confirm(), trainer.confirm())
+
+        trainer_peer.run(twice())
         assert trainer._unconfirmed == []
-        assert trainer.stats.replayed_samples == 4  # seq 7 only: seq 3 was in the step
+        # Seq 7 once: seq 3 was in the step, and the second round found nothing left.
+        assert trainer.stats.replayed_samples == 4
         trainer.close()
 
 

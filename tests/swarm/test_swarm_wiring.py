@@ -92,6 +92,29 @@ def test_the_ledger_says_which_commits_a_step_counted_and_which_were_lost() -> N
     assert Receipts.from_wire({"inc": "x", "cs": 1, "ls": [[1, True]]}) is None
 
 
+def test_receipts_say_what_was_handed_toward_which_step_and_settle_either_way() -> None:
+    ledger = CommitLedger()
+    for _ in range(3):
+        ledger.commit()
+    ledger.handed(24)  # commits 1-3 go to the optimizer at its step 7
+    ledger.commit()  # 4: not handed
+    ahead = ledger.announced(7)
+    assert (ahead.contributed, ahead.handed, ahead.step) == (0, 3, 7)
+    assert [ahead.in_doubt(s) for s in (1, 3, 4)] == [True, True, False]
+    assert Receipts.from_wire(ahead.to_wire()) == ahead
+    counted, not_counted = ahead.settled(True), ahead.settled(False)
+    assert [counted.fate(s) for s in (3, 4)] == ["counted", "pending"]
+    assert [not_counted.fate(s) for s in (1, 3, 4)] == ["lost", "lost", "pending"]
+    ledger.stepped(24)
+    after = ledger.announced(8)
+    assert (after.contributed, after.handed) == (3, 3)  # nothing in doubt
+    assert after.settled(False) == after
+    # An old server's receipts (no "hd"/"st") hold nothing in doubt; bad values are refused.
+    assert Receipts.from_wire({"inc": "x", "cs": 2, "ls": []}) == Receipts("x", 2, (), 2, 0)
+    assert Receipts.from_wire({"inc": "x", "cs": 2, "ls": [], "hd": -1}) is None
+    assert Receipts.from_wire({"inc": "x", "cs": 2, "ls": [], "st": True}) is None
+
+
 def test_blocks_are_cut_evenly_and_bad_partitions_are_refused() -> None:
     assert even_bounds(4, 4) == (0, 1, 2, 3, 4)
     assert even_bounds(5, 2) == (0, 2, 5) or even_bounds(5, 2) == (0, 3, 5)
