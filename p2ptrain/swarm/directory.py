@@ -2,7 +2,7 @@
 
 Each stage server writes one entry, under its own owner-bound sub-key, in the
 dictionary ``<run_id>/stage-<i>``: ``{"a": address, "r": samples/s, "q": queue,
-"s": step, "inc", "cs", "ls"}`` (its commit receipts, :mod:`p2ptrain.swarm.ledger`),
+"s": step, "inc", "cs", "ls", "hd", "st"}`` (its commit receipts, :mod:`p2ptrain.swarm.ledger`),
 expiring ``announce_ttl`` seconds later (a peer that dies vanishes from the
 wiring within that time; the trainers' failed calls drop it sooner). A server
 leaving a stage overwrites its entry with ``{"left": true, "a": address}`` and

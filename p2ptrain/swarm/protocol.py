@@ -7,7 +7,7 @@ All three are unary calls. Tensors travel as the tensor encoding of
                     ← {"y": <header>} + y
     swarm.backward  → {"v": 1, "run": str, "stage": int, "mb": bytes(16), "g": <header>,
                        "n": samples} + dL/dy
-                    ← {"g": <header> | None, "seq": int, "inc", "cs", "ls"} + dL/dx
+                    ← {"g": <header> | None, "seq": int, "inc", "cs", "ls", "hd", "st"} + dL/dx
                       (None: the stage input was not a floating tensor, e.g. token ids;
                       ``seq`` numbers the commit, the rest are the server's receipts,
                       :mod:`p2ptrain.swarm.ledger`)
@@ -48,7 +48,11 @@ BACKWARD_METHOD: Final = "swarm.backward"
 RELEASE_METHOD: Final = "swarm.release"
 RECEIPTS_METHOD: Final = "swarm.receipts"
 """``{"inc": str}`` → the receipts of that incarnation (:mod:`p2ptrain.swarm.ledger`),
-or ``{"unknown": true}`` when the server has no such incarnation (it restarted)."""
+or ``{"unknown": true}`` when the server has no such incarnation (it restarted).
+``{"inc", "peer": str, "stage": int, "step": int}`` asks instead whether this
+server's stage step ``step`` counted the samples of ``peer`` (a stage peer that
+vanished): ``{"counted": bool | None, "at": int}`` (``None``: it cannot say;
+``at``: the steps it applied, -1 when it does not serve ``stage``)."""
 VERSION: Final = 1
 MB_ID_BYTES: Final = 16
 _MAX_SAMPLES: Final = 1 << 40
