@@ -620,7 +620,14 @@ class StageServer:
         works). One hand-over at a time, and one begun runs to its end even if its
         caller is cancelled: a half one would leave handed commits no step holds.
         """
-        await asyncio.shield(asyncio.ensure_future(self._hand_over_steps(state, everything)))
+        task = asyncio.ensure_future(self._hand_over_steps(state, everything))
+        task.add_done_callback(self._hand_over_done)
+        await asyncio.shield(task)
+
+    def _hand_over_done(self, task: asyncio.Future[None]) -> None:
+        """Take a hand-over's failure (its caller may be gone: a stop, an abort)."""
+        if not task.cancelled() and (exc := task.exception()) is not None and self._closed:
+            logger.debug("a hand-over cut short by the stop: %s", exc)
 
     async def _hand_over_steps(self, state: _Stage, everything: bool) -> None:
         loop = asyncio.get_running_loop()
