@@ -7,13 +7,15 @@ Both print JSON lines. The trainer (the swarm's first DHT peer) prints
 ``{"address"}``, pushes micro-batches (four in flight) from a line ``go`` on
 stdin until a line ``stop``, then settles (replays every pass known lost)
 and prints ``{"done", "delivered", "replayed", "retries"}``. A server prints
-``{"ready"}``, then ``{"stepped", "in_steps"}`` at once after each stage step
-it applies (``in_steps``: its samples in the steps it applied so far) and
+``{"ready", "peer"}``, then ``{"stepped", "in_steps", "counted"}`` at once after
+each stage step it applies (``in_steps``: its samples in the steps it applied
+so far; ``counted``: the peers whose samples that step holds) and
 ``{"announced", "in_steps"}`` once the directory holds that step's receipts; on a
 line ``stop`` it closes (handing its last gradients to the optimizer) and
 prints ``{"closed", "in_steps", "local"}``; on a line ``die-at-step`` it kills
 itself (SIGKILL) right after its next stage step is applied, before any reply
-or announcement says what the step counted. Each exits when its stdin closes.
+or announcement says what the step counted (first printing ``{"stepped",
+"in_steps", "last_step", "last_own"}``). Each exits when its stdin closes.
 """
 
 from __future__ import annotations
@@ -80,7 +82,12 @@ def _die_at_next_step(server: StageServer, armed: threading.Event) -> None:
         changed = step(batch_size)
         record = copt.last_step
         if armed.is_set() and record is not None and record is not before:
-            _emit(stepped=copt.global_step, in_steps=server.stats.samples_in_steps + record.own)
+            _emit(
+                stepped=copt.global_step,
+                in_steps=server.stats.samples_in_steps + record.own,
+                last_step=record.step,
+                last_own=record.own,
+            )
             os.kill(os.getpid(), signal.SIGKILL)
         return changed
 
@@ -127,14 +134,19 @@ def serve(join: str, stage: int) -> None:
     )
 
     def on_event(event: str, _stage: int) -> None:
-        if event in ("stepped", "announced"):
-            _emit(**{event: server.global_step}, in_steps=server.stats.samples_in_steps)
+        if event == "stepped":
+            record = server.optimizer.last_step
+            counted = [] if record is None else sorted(str(p) for p in record.counted or ())
+            in_steps = server.stats.samples_in_steps
+            _emit(stepped=server.global_step, in_steps=in_steps, counted=counted)
+        elif event == "announced":
+            _emit(announced=server.global_step, in_steps=server.stats.samples_in_steps)
 
     server.on_event = on_event
     _, stop, die = _lines()
     server.start()
     _die_at_next_step(server, die)
-    _emit(ready=True)
+    _emit(ready=True, peer=str(peer.node.peer_id))
     stop.wait()
     server.close()
     _emit(closed=True, in_steps=server.stats.samples_in_steps, local=server.optimizer.local_samples)

@@ -15,7 +15,7 @@ receipts say what became of its ``seq``:
 
 A server that dies between a stage step and the announcement of that step's
 receipts leaves receipts that do not yet count what the step counted. So
-before every hand-over that may reach a step the server announces ahead what
+before every step it averages with other peers the server announces ahead what
 it handed (``handed``) and toward which stage step (``step``): a vanished
 server's commits in ``(contributed, handed]`` are *in doubt*, and the
 trainer asks the stage's other peers whether that step counted the server

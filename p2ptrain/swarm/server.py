@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -172,8 +173,6 @@ class StageServerStats:
 
 _Grads = tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]
 """A backward's gradient of the stage input (``None``: not floating) and of its parameters."""
-_Handed = tuple[list[torch.Tensor] | None, int]
-"""Gradients swapped out for the optimizer (mean per sample; ``None``: none) and their samples."""
 
 
 def _same(value: Any) -> Any:
@@ -287,7 +286,6 @@ class StageServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._address = ""
         self._announcing = asyncio.Lock()
-        self._handing_on_loop = asyncio.Lock()
         self._past_receipts: dict[str, Receipts] = {}  # of stages this server left
         self._rate = MovingAverage()  # samples/s of forward plus backward
         self._forward_s = MovingAverage()
@@ -304,7 +302,9 @@ class StageServer:
     def _collaborative(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, config: TrainerConfig
     ) -> StageOptimizer:
-        return CollaborativeOptimizer(optimizer, peer=self.peer, config=config, model=module)
+        copt = CollaborativeOptimizer(optimizer, peer=self.peer, config=config, model=module)
+        copt.before_average = self._write_ahead
+        return copt
 
     def start(self) -> None:
         """Build the stage (checking the memory budget), join its run, serve and announce.
@@ -366,15 +366,10 @@ class StageServer:
         if self.peer.running:
             with contextlib.suppress(TimeoutError, RuntimeError):
                 self.peer.run(self._stop_serving(), timeout=10)
-        # On the loop, after any hand-over the cancelled step loop left running (one
-        # beside it averaged the same step twice and counted its samples twice).
-        handed = False
-        if self.peer.running:
-            with contextlib.suppress(RuntimeError):
-                self.peer.run(self._last_hand_over())
-                handed = True
-        if not handed:  # the peer is down: nobody reads receipts, nothing to write ahead
-            self._stepper.submit(self._hand_over_unannounced).result()
+        # In the stepper thread, as aclose: cancelling the step loop does not stop a
+        # hand-over it left running there, and a second one beside it averaged the
+        # same step twice and counted its samples twice.
+        self._stepper.submit(self._last_hand_over).result()
         if self.peer.running:
             with contextlib.suppress(TimeoutError, RuntimeError):
                 self.peer.run(self._withdraw_current(), timeout=10)
@@ -388,7 +383,7 @@ class StageServer:
         self._closed = True
         await self._stop_serving()
         loop = asyncio.get_running_loop()
-        await self._last_hand_over()
+        await loop.run_in_executor(self._stepper, self._last_hand_over)
         await self._withdraw_current()
         await loop.run_in_executor(self._stepper, self._shut_down)
         self._stepper.shutdown(wait=False)
@@ -410,8 +405,8 @@ class StageServer:
         self._device.shutdown()
         self._stepper.shutdown(wait=False)
 
-    async def _last_hand_over(self) -> None:
-        """Hand over what was committed since the last hand-over (on the loop).
+    def _last_hand_over(self) -> None:
+        """Hand over what was committed since the last hand-over (stepper thread).
 
         Before the withdrawal: the withdrawal announces every commit not yet
         in a step as lost, and trainers replay lost commits, so a hand-over
@@ -421,30 +416,14 @@ class StageServer:
             return
         pending = state.pending
         try:
-            await self._hand_over(state)
+            self._hand_over(state)
         except P2PTrainError as exc:  # e.g. the peer's node is gone: nobody to average with
-            self._log_unhanded(state, pending, exc)
-
-    def _hand_over_unannounced(self) -> None:
-        """:meth:`_last_hand_over` in the stepper thread, when the peer's loop is gone."""
-        state = self._state
-        if state is None:
-            return
-        pending = state.pending
-        try:
-            with self._handing:
-                self._give(state, self._swap(state, everything=True))
-        except P2PTrainError as exc:
-            self._log_unhanded(state, pending, exc)
-
-    @staticmethod
-    def _log_unhanded(state: _Stage, pending: int, exc: P2PTrainError) -> None:
-        logger.warning(
-            "stage %d: the last %d samples could not be handed over at close: %s",
-            state.index,
-            pending,
-            exc,
-        )
+            logger.warning(
+                "stage %d: the last %d samples could not be handed over at close: %s",
+                state.index,
+                pending,
+                exc,
+            )
 
     async def _withdraw_current(self) -> None:
         if self._state is not None:
@@ -557,7 +536,7 @@ class StageServer:
         try:
             self._drop_held()
             await self._device.idle()  # in-flight compute is done
-            await self._drain(old, drain_timeout)
+            await loop.run_in_executor(self._stepper, self._drain, old, drain_timeout)
             await self._withdraw(old)
             new = await loop.run_in_executor(self._stepper, self._open, stage)
             self._state = new
@@ -567,17 +546,16 @@ class StageServer:
         finally:
             self._moving = False
 
-    async def _drain(self, state: _Stage, timeout: float) -> None:
+    def _drain(self, state: _Stage, timeout: float) -> None:
         """Hand the committed gradients over and wait for the stage's next step, then leave."""
-        loop = asyncio.get_running_loop()
         start_step = state.copt.global_step
         owed = state.pending + state.copt.local_samples
-        deadline = loop.time() + timeout
-        await self._hand_over(state)
-        while owed and state.copt.global_step == start_step and loop.time() < deadline:
-            await self._hand_over(state)  # steps (with nothing new) and accounts for the step
+        deadline = time.monotonic() + timeout
+        self._hand_over(state)
+        while owed and state.copt.global_step == start_step and time.monotonic() < deadline:
+            self._hand_over(state)  # steps (with nothing new) and accounts for the step
             if state.copt.global_step == start_step:
-                await asyncio.sleep(self.config.step_interval)  # polls the stage's progress
+                time.sleep(self.config.step_interval)  # polls the stage's progress
         if owed and state.copt.global_step == start_step:
             self.stats.samples_dropped_on_move += state.copt.local_samples
             logger.warning(
@@ -585,11 +563,12 @@ class StageServer:
                 state.index,
                 state.copt.local_samples,
             )
-        await loop.run_in_executor(self._stepper, state.copt.close)
+        state.copt.close()
 
     # -- background loops --------------------------------------------------------------
 
     async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.config.step_interval)
             state = self._state
@@ -597,7 +576,9 @@ class StageServer:
                 continue
             before = state.copt.global_step
             try:
-                await self._hand_over(state, everything=False)
+                await loop.run_in_executor(
+                    self._stepper, functools.partial(self._hand_over, state, everything=False)
+                )
             except Exception:
                 logger.exception("stage %d: handing gradients to the optimizer failed", state.index)
             if state.copt.global_step != before:
@@ -607,62 +588,39 @@ class StageServer:
                 if await self._announce():
                     self._emit("announced", state.index)
 
-    async def _hand_over(self, state: _Stage, *, everything: bool = True) -> None:
-        """Give the accumulated gradients to the stage's optimizer as one batch; unless
-        ``everything``, only once ``handover_samples`` gathered or ``handover_max_s``
-        passed (each hand-over is two passes over the stage's gradients). The
-        optimizer is told in any case, so that it steps when the stage's other peers
-        fill its batch.
+    def _hand_over(self, state: _Stage, *, everything: bool = True) -> None:
+        """Give the accumulated gradients to the stage's optimizer as one batch (stepper
+        thread); unless ``everything``, only once ``handover_samples`` gathered or
+        ``handover_max_s`` passed (each hand-over is two passes over the stage's
+        gradients). The optimizer is told in any case, so that it steps when the
+        stage's other peers fill its batch."""
+        with self._handing:  # one at a time, whatever the thread (the optimizer is not re-entrant)
+            self._hand_over_locked(state, everything=everything)
 
-        The buffers swap and the optimizer steps in the stepper thread; between the
-        two, on the loop, the directory takes the write-ahead receipts (a thread
-        must not wait on the loop: a simulation's clock stands still while a thread
-        works). One hand-over at a time, and one begun runs to its end even if its
-        caller is cancelled: a half one would leave handed commits no step holds.
-        """
-        task = asyncio.ensure_future(self._hand_over_steps(state, everything))
-        task.add_done_callback(self._hand_over_done)
-        await asyncio.shield(task)
-
-    def _hand_over_done(self, task: asyncio.Future[None]) -> None:
-        """Take a hand-over's failure (its caller may be gone: a stop, an abort)."""
-        if not task.cancelled() and (exc := task.exception()) is not None and self._closed:
-            logger.debug("a hand-over cut short by the stop: %s", exc)
-
-    async def _hand_over_steps(self, state: _Stage, everything: bool) -> None:
-        loop = asyncio.get_running_loop()
-        async with self._handing_on_loop:
-            handed = await loop.run_in_executor(self._stepper, self._swap, state, everything)
-            await self._write_ahead(state)
-            await loop.run_in_executor(self._stepper, self._give, state, handed)
-
-    def _swap(self, state: _Stage, everything: bool) -> _Handed:
-        """Take the accumulated gradients out of the commits' way (stepper thread)."""
+    def _hand_over_locked(self, state: _Stage, *, everything: bool) -> None:
+        handed: list[torch.Tensor] | None = None
         with state.copt.state_lock:
             samples = state.pending
             limit = self.config.handover_samples or max(1, self.config.target_batch_size // 4)
             now = time.monotonic()
             due = now - state.handed_at >= self.config.handover_max_s
-            if not (samples and (everything or samples >= limit or due)):
-                return None, 0
-            # Swap buffers: commits go on into the other one (overwritten, not
-            # added to), while the optimizer reads this one outside the lock.
-            handed = state.sums
-            state.sums = state.spare or [torch.empty_like(t) for t in handed]
-            state.spare = handed
-            state.sums_stale = True
-            state.pending = 0
-            state.handed_at = now
-            state.ledger.handed(samples)
-        with torch.no_grad():
-            torch._foreach_div_(handed, samples)
-        return handed, samples
-
-    def _give(self, state: _Stage, handed: _Handed) -> None:
-        """Give the swapped-out gradients (none: only tell) to the optimizer (stepper thread)."""
-        grads, samples = handed
+            if samples and (everything or samples >= limit or due):
+                # Swap buffers: commits go on into the other one (overwritten, not
+                # added to), while the optimizer reads this one outside the lock.
+                handed = state.sums
+                state.sums = state.spare or [torch.empty_like(t) for t in handed]
+                state.spare = handed
+                state.sums_stale = True
+                state.pending = 0
+                state.handed_at = now
+                state.ledger.handed(samples)
+            else:
+                samples = 0
+        if handed is not None:
+            with torch.no_grad():
+                torch._foreach_div_(handed, samples)
         for i, p in enumerate(state.params):
-            p.grad = None if grads is None else grads[i]
+            p.grad = None if handed is None else handed[i]
         before, syncs = state.copt.last_step, state.copt.stats.syncs
         state.copt.step(batch_size=samples)
         record = state.copt.last_step
@@ -681,20 +639,25 @@ class StageServer:
             # the chunks stay: that step counts them, and a replay would count them twice.)
             state.ledger.lose_handed()
 
-    async def _write_ahead(self, state: _Stage) -> None:
-        """Before the optimizer may count what was handed over: make sure the directory
-        holds what was handed and toward which step. A server that dies after a step
-        and before announcing its receipts leaves these, and the stage's other peers
-        say whether the step counted it (:mod:`p2ptrain.swarm.ledger`)."""
+    async def _write_ahead(self) -> None:
+        """Before the stage's optimizer averages with other peers (on the loop): make
+        sure the directory holds what was handed to it and toward which step. A
+        server that dies after the step and before announcing its receipts leaves
+        these, and the stage's other peers say whether the step counted it
+        (:mod:`p2ptrain.swarm.ledger`)."""
+        state = self._state
+        if state is None:
+            return
         with state.copt.state_lock:
             ahead = state.ledger.announced(state.copt.global_step)
         if ahead.handed == ahead.contributed or state.written_ahead == (ahead.handed, ahead.step):
             return
         if not await self._announce():
             logger.warning(
-                "stage %d: the directory did not take the hand-over's receipts; if this peer"
-                " dies right after the next step, trainers replay what that step counted",
+                "stage %d: the directory did not take the receipts written ahead of step %d;"
+                " if this peer dies right after it, trainers replay what it counted",
                 state.index,
+                ahead.step,
             )
 
     async def _announce_loop(self) -> None:
@@ -708,7 +671,7 @@ class StageServer:
         if state is None:
             return False
         # One store at a time, its receipts read when it begins: the directory keeps the
-        # latest store, and one begun before a hand-over must not land after its write-ahead.
+        # latest store, and one begun before a write-ahead must not land after it.
         async with self._announcing:
             with state.copt.state_lock:
                 step = state.copt.global_step

@@ -28,7 +28,7 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, ClassVar, Protocol, Self
 
 import torch
@@ -162,6 +162,10 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
         self._stateful: dict[str, Stateful] = {}
         self.peer = peer
         self.metrics = metrics
+        self.before_average: Callable[[], Awaitable[object]] | None = None
+        """Awaited on the peer's loop before each step this trainer averages with other
+        peers (a pipeline stage server writes its receipts ahead there); set it
+        before :meth:`start`."""
         self._params = optimizer_parameters(optimizer)
         self._lock = threading.Lock()
         self._step = 0
@@ -320,7 +324,11 @@ class SwarmTrainer(torch.optim.Optimizer, ABC):
             raise RuntimeError("a trainer starts once")
         settings = dataclasses.replace(self._settings(), model=model_digest(self._params))
         collab = Collaboration(
-            peer=self.peer, settings=settings, snapshot=self.snapshot, metrics=self.metrics
+            peer=self.peer,
+            settings=settings,
+            snapshot=self.snapshot,
+            metrics=self.metrics,
+            before_average=self.before_average,
         )
         view = collab.start(self._step)
         self._collab = collab

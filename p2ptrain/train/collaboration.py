@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -189,6 +189,8 @@ class Collaboration:
         snapshot: Returns a consistent copy of the trainer's state; called
             from a worker thread when another peer downloads it.
         metrics: Optional registry for the trainer's figures.
+        before_average: Awaited on the peer's loop before each average with
+            other peers (a failure is logged and the step goes on).
     """
 
     def __init__(
@@ -198,6 +200,7 @@ class Collaboration:
         settings: SwarmSettings,
         snapshot: Callable[[], TrainingSnapshot],
         metrics: Metrics | None = None,
+        before_average: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         if not peer.running:
             raise ConfigError("the peer must be started before a trainer uses it")
@@ -207,6 +210,7 @@ class Collaboration:
         self.state_config = settings.state
         self.metrics = metrics
         self._snapshot = snapshot
+        self._before_average = before_average
         window = peer.matchmaker.config.window
         self._lead: LeadTimer | None = None
         self._fixed_lead = settings.matchmaking_lead
@@ -611,10 +615,16 @@ class Collaboration:
         view = self._tracker.view()
         group_size = 1 + view.expected_in_group(step, exclude=self.peer.peer_id)
         averager = self._averager
+        before = self._before_average if group_size > 1 else None
 
         async def run() -> tuple[torch.Tensor, RoundOutcome]:
             if prepare is not None:
                 await asyncio.to_thread(prepare)
+            if before is not None:
+                try:
+                    await before()
+                except Exception:  # the step goes on without it
+                    logger.exception("step %d: the before-average hook failed", step)
             return await averager.average(step, vector, weight, group_size=group_size)
 
         return PendingAverage(step, self.peer.submit(run()), time.perf_counter())

@@ -62,24 +62,18 @@ def _commit(server: StageServer, state: _Stage, samples: int) -> int:
     return seq
 
 
-def _hand_over(server: StageServer, state: _Stage) -> None:
-    """A hand-over's two steps in the stepper thread's order, without its write-ahead
-    (nothing serves here to announce)."""
-    server._give(state, server._swap(state, everything=True))
-
-
 def test_samples_kept_toward_the_next_step_after_a_download_are_not_announced_lost() -> None:
     # Announced lost, the trainer replays them on another peer; counted by this
     # peer's next step as well, they were counted twice.
     server, state = _server()
     try:
         first = [_commit(server, state, 8) for _ in range(2)]
-        _hand_over(server, state)  # the download: kept, not stepped
+        server._hand_over(state)  # the download: kept, not stepped
         receipts = state.ledger.announced()
         assert receipts.lost == ()
         assert [receipts.fate(s) for s in first] == ["pending", "pending"]
         later = _commit(server, state, 8)
-        _hand_over(server, state)  # the step: the kept 16 samples and the new 8
+        server._hand_over(state)  # the step: the kept 16 samples and the new 8
         receipts = state.ledger.announced()
         assert [receipts.fate(s) for s in [*first, later]] == ["counted"] * 3
         assert server.stats.samples_in_steps == 24
