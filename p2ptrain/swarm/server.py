@@ -215,6 +215,8 @@ class _Stage:
         next commit overwrites, not adds."""
         self.handed_at = -math.inf
         self.ledger = CommitLedger()
+        self.withdrawn = False
+        """The directory holds this stage's "left" record: announce it no more."""
         self.written_ahead = (0, 0)
         """(handed, step) of the receipts the directory last took."""
         self.vouches: dict[int, Vouch] = {}
@@ -451,6 +453,7 @@ class StageServer:
             receipts = state.ledger.announced()
         self._past_receipts[receipts.incarnation] = receipts
         async with self._announcing:
+            state.withdrawn = True
             with contextlib.suppress(P2PTrainError):
                 await withdraw(
                     self.peer.dht,
@@ -673,6 +676,8 @@ class StageServer:
         # One store at a time, its receipts read when it begins: the directory keeps the
         # latest store, and one begun before a write-ahead must not land after it.
         async with self._announcing:
+            if state.withdrawn:  # a move left it: its "left" record stays
+                return False
             with state.copt.state_lock:
                 step = state.copt.global_step
                 receipts = state.ledger.announced(step)
