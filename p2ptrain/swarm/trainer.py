@@ -384,7 +384,9 @@ class PipelineTrainer:
         peer_id = _peer_of(address)
         if peer_id is None:
             return False
-        others = [c.address for c in await self._read_candidates(stage) if c.address != address]
+        # The stage list as read when the server was found gone (or a fresh one).
+        candidates = await self._stage_candidates(stage, force=False)
+        others = [c.address for c in candidates if c.address != address]
         body = {"inc": seen.incarnation, "peer": peer_id, "stage": stage, "step": seen.step}
         replies = await asyncio.gather(
             *(

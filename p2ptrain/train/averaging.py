@@ -123,10 +123,7 @@ def group_weight(outcome: RoundOutcome, *, length: int, marker: float) -> int | 
     report = outcome.report
     if report is None:
         return round(outcome.weight)
-    shard = next((s for s in report.shards if s.start < length <= s.stop), None)
-    if shard is None or not shard.chunk_contributors:
-        return None
-    contributors = shard.chunk_contributors[-1]
+    contributors = _marker_contributors(report, length)
     if not contributors or not marker > 0:
         return None
     return round(len(contributors) / marker)
@@ -142,13 +139,19 @@ def counted_members(outcome: RoundOutcome, *, length: int) -> frozenset[PeerID] 
     report = outcome.report
     if report is None or outcome.grouped:
         return None
-    shard = next((s for s in report.shards if s.start < length <= s.stop), None)
-    if shard is None or not shard.chunk_contributors:
-        return None
-    contributors = shard.chunk_contributors[-1]
+    contributors = _marker_contributors(report, length)
     if contributors is None:
         return None
     return frozenset(report.members[i] for i in contributors)
+
+
+def _marker_contributors(report: AllReduceReport, length: int) -> tuple[int, ...] | None:
+    """The member indices in the average of the chunk holding a vector's last element
+    (the count marker); ``None`` when that chunk kept local values."""
+    shard = next((s for s in report.shards if s.start < length <= s.stop), None)
+    if shard is None or not shard.chunk_contributors:
+        return None
+    return shard.chunk_contributors[-1]
 
 
 @dataclass

@@ -38,6 +38,7 @@ from p2ptrain.swarm.ledger import Receipts
 from p2ptrain.swarm.protocol import (
     BACKWARD_METHOD,
     FORWARD_METHOD,
+    RECEIPTS_METHOD,
     RELEASE_METHOD,
     request_body,
 )
@@ -104,7 +105,13 @@ def test_a_full_cap_is_a_typed_error_and_bad_frames_leave_the_server_serving() -
         with pytest.raises(InvalidArgumentError, match="holds no forward"):
             body = request_body(RUN, 0, b"z" * 16, g=header, n=4)
             trainer_peer.run(node.call(address, BACKWARD_METHOD, body, view, timeout=5))
-        assert servers[0].stats.bad_requests >= 4
+        for vouch in (
+            {"inc": "x", "peer": "not a peer id", "stage": 0, "step": 0},
+            {"inc": "x", "peer": str(node.peer_id), "stage": 0, "step": "0"},
+        ):
+            with pytest.raises(InvalidArgumentError, match="vouch request"):
+                trainer_peer.run(node.call(address, RECEIPTS_METHOD, vouch, timeout=5))
+        assert servers[0].stats.bad_requests >= 6
         for mb in (b"a" * 16, b"b" * 16):  # free the cap again
             body = request_body(RUN, 0, mb)
             trainer_peer.run(node.call(address, RELEASE_METHOD, body, timeout=5))
@@ -145,19 +152,8 @@ def test_samples_a_killed_peer_had_not_yet_averaged_are_replayed_and_counted_onc
         kill(peers[v])
         lost = victim.stats.samples_committed - victim.stats.samples_in_steps
         assert lost > 0
-        step_at_kill = survivor.global_step
-        # Training goes on until the victim's passes were replayed and stage 1 stepped twice.
-        while trainer.awaiting(victim._address) or survivor.global_step < step_at_kill + 2:
-            trainer.step(*regression_batch(i), timeout=30)
-            i += 1
-            assert i < 1000
-        trainer_peer.run(trainer.settle(), timeout=60)
+        delivered, stage0 = _train_past_the_kill(trainer, servers[0], victim, survivor, i, 1000)
         assert trainer.stats.replayed_samples >= lost
-        trainer.close()
-        delivered = trainer.stats.samples_delivered
-        for server in (servers[0], survivor):
-            server.close()  # hands the last partial step's samples to its optimizer
-        stage0 = servers[0].stats.samples_in_steps + servers[0].optimizer.local_samples
         stage1 = (
             victim.stats.samples_in_steps
             + survivor.stats.samples_in_steps
@@ -193,17 +189,7 @@ def test_a_peer_killed_between_a_step_and_its_receipts_is_vouched_for_by_its_sta
         peers[1].run(victim.abort(), timeout=10)  # its server's loops die with the process
         record = victim.optimizer.last_step
         assert record is not None and len(record.group) == 2  # averaged with the survivor
-        step_at_kill = survivor.global_step
-        while trainer.awaiting(victim._address) or survivor.global_step < step_at_kill + 2:
-            trainer.step(*regression_batch(i), timeout=30)
-            i += 1
-            assert i < 3000
-        trainer_peer.run(trainer.settle(), timeout=60)
-        trainer.close()
-        delivered = trainer.stats.samples_delivered
-        for server in (servers[0], survivor):
-            server.close()  # hands the last partial step's samples to its optimizer
-        stage0 = servers[0].stats.samples_in_steps + servers[0].optimizer.local_samples
+        delivered, stage0 = _train_past_the_kill(trainer, servers[0], victim, survivor, i, 3000)
         # The victim's step holds its samples as the survivor saw it: the victim may
         # die before its share of the count marker's chunk reached the survivor,
         # which then stepped without it (and the trainer must replay them).
@@ -222,6 +208,32 @@ def test_a_peer_killed_between_a_step_and_its_receipts_is_vouched_for_by_its_sta
         assert trainer.stats.vouched == int(in_survivor)
         assert stage0 == delivered
         assert stage1 == delivered
+
+
+def _train_past_the_kill(  # noqa: PLR0917 - the two kill tests' shared tail
+    trainer: PipelineTrainer,
+    stage0: StageServer,
+    victim: StageServer,
+    survivor: StageServer,
+    i: int,
+    limit: int,
+) -> tuple[int, int]:
+    """Train until no pass waits on the victim and the survivor stepped twice more,
+    settle, and close the trainer, stage 0's server and the survivor (each hands
+    its last partial step's samples to its optimizer). Returns the samples
+    delivered and those in stage 0's steps."""
+    step_at_kill = survivor.global_step
+    while trainer.awaiting(victim._address) or survivor.global_step < step_at_kill + 2:
+        trainer.step(*regression_batch(i), timeout=30)
+        i += 1
+        assert i < limit
+    trainer.peer.run(trainer.settle(), timeout=60)
+    trainer.close()
+    for server in (stage0, survivor):
+        server.close()
+    return trainer.stats.samples_delivered, (
+        stage0.stats.samples_in_steps + stage0.optimizer.local_samples
+    )
 
 
 def _die_after_first_step(server: StageServer) -> threading.Event:
