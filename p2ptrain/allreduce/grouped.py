@@ -20,16 +20,19 @@ sharded, see docs/allreduce.md for why this and not Moshpit's grid):
    (:func:`slice_edges`). For each slice ``s`` it covers, a member
    matchmakes under ``<key>/s<s>`` (one member per group: ``G``
    announcements) while the group averages, then all-reduces its group's
-   slice with weight ``W``. Every column holds one member of every group, so
-   every slice comes out as ``Σ W_g a_g / Σ W_g``: the exact global weighted
-   average.
+   slice with weight ``W``, followed by ``G`` profile entries: its part's
+   tag at its group's index, zeros elsewhere. Every column holds one member
+   of every group, so every slice comes out as ``Σ W_g a_g / Σ W_g``: the
+   exact global weighted average, and its **profile** as ``Σ W_g t_g / Σ W_g``
+   per group, which names the group parts and weights the column averaged.
 3. **Gather.** The group all-gathers the slices (each member's own part is the
    slices it covered) under a plan every member derives from the group's
-   plan, so this phase needs no matchmaking. Each slice travels with one
-   more elements: its **flag** (1 when the member that covered it got the
-   column's average over the same groups in every chunk, else 0) and the
-   **mask** of those groups. So a member knows whether every slice it
-   received is an exact average, and whether all slices hold the same groups.
+   plan, so this phase needs no matchmaking. Each slice travels with its
+   **flag** (1 when the member that covered it got the column's average over
+   the same members in every chunk, else 0) and its profile. So a member
+   knows whether every slice it received is an exact average, and whether
+   all slices hold the same group parts with the same weights (a group split
+   in two by matchmaking has two parts, which a column can get one of).
 
 A group enters the columns only when every chunk of its all-reduce averaged
 the same members: each member decides from the contributors the owners
@@ -100,6 +103,15 @@ class GroupingConfig:
             its columns), so the bound keeps the busiest peer near
             ``(1 + 2k) V``: 7 V at the default 3, against the 8 V that
             issue 13 allows. ``None`` leaves the LP unbounded.
+        min_part_share: A group part with fewer members than this share of
+            the group's expected size (``swarm_size / groups``) joins its
+            columns with weight 0. Such a part split off its group in
+            matchmaking (a peer that read its group's announcements after
+            the leader had sealed it leads a part of its own); it covers
+            every slice, and the columns that formed before it announced go
+            on without it, so its weight would reach some slices and not
+            others and every peer's result would be incomplete. Kept out, it
+            costs only its own members' samples.
     """
 
     group_size: int = 32
@@ -107,6 +119,7 @@ class GroupingConfig:
     column_window: float = 10.0
     max_group_factor: float = 2.5
     max_share_factor: float | None = 3.0
+    min_part_share: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
@@ -122,6 +135,8 @@ class GroupingConfig:
         factor = self.max_share_factor
         if factor is not None and not (math.isfinite(factor) and factor >= 1):
             raise ConfigError(f"max_share_factor must be None or >= 1, got {factor!r}")
+        if not (math.isfinite(self.min_part_share) and 0 <= self.min_part_share <= 1):
+            raise ConfigError(f"min_part_share must be in [0, 1], got {self.min_part_share!r}")
 
 
 def group_count(swarm_size: int, group_size: int) -> int:
@@ -168,8 +183,8 @@ class GroupedResult:
         settled: For each slice this peer covered and settled (its column
             averaged every chunk over the same members), those members.
         groups_in: When complete: the groups whose averages every slice of
-            the result holds (the slices' group masks agree). The result is
-            then the exact weighted average of those groups' ``represented``.
+            the result holds (the slices' profiles agree). The result is then
+            the exact weighted average of those groups' ``represented``.
     """
 
     groups: int
@@ -274,10 +289,12 @@ class GroupedAverager:
         # until one member per group announced, but takes every member that
         # announced by then (a group split in two by a late announcement
         # covers each slice twice; cutting one out would fail that column).
+        # A column averages its slice followed by the groups' profile entries.
         self._set_target(2 * groups, cfg.column_window)
         columns = {
             s: asyncio.get_running_loop().create_task(
-                self._column_plan(key, s, bounds[s + 1] - bounds[s], groups), name=f"column:{s}"
+                self._column_plan(key, s, bounds[s + 1] - bounds[s] + groups, groups),
+                name=f"column:{s}",
             )
             for s in mine
         }
@@ -301,23 +318,34 @@ class GroupedAverager:
         # the weight's included, averaged the same members; otherwise every
         # member that saw the whole report joins its columns with weight 0.
         # A member that missed a result cannot tell and stays out too; should
-        # its group mates be in, the slices' group masks (in the gather) show
+        # its group mates be in, the slices' profiles (in the gather) show
         # the mismatch to every peer, whose result is then incomplete.
         contributors = _common_contributors(group_report)
-        if contributors and summed[n] > 0:
+        split_off = plan.size < cfg.min_part_share * swarm_size / groups
+        if split_off:
+            failures.append(
+                f"group: a part of {plan.size} split off its group (expected about "
+                f"{swarm_size / groups:.0f}): it joins the columns without weight"
+            )
+            total, average, counted = 0.0, vector.clone(), ()
+        elif contributors and summed[n] > 0:
             total = float(summed[n]) * len(contributors)
             average = summed[:n] / summed[n]
             counted = tuple(plan.members[i].peer_id for i in contributors)
         else:  # take part in the columns without weight: receive the others' average
             failures.append("group: not every part averaged the same members")
             total, average, counted = 0.0, vector.clone(), ()
+        # This group part's entry in every column's weight profile (see _profile_entry).
+        entry = torch.zeros(groups, dtype=torch.float32)
+        entry[index] = _part_tag(plan)
+        profiles: dict[int, list[float]] = {}  # covered slice -> its column's weight profile
         # 2b. one all-reduce per covered slice, weighted by the group's weight.
         for s, task in columns.items():
             lo, hi = bounds[s], bounds[s + 1]
             try:
                 column_plan = await task
                 values, report = await self.service.allreduce(
-                    column_plan, average[lo:hi].contiguous(), total, config=config
+                    column_plan, torch.cat([average[lo:hi], entry]), total, config=config
                 )
             except P2PTrainError as exc:
                 logger.info("column %d of %s failed: %s", s, key, exc)
@@ -329,13 +357,13 @@ class GroupedAverager:
                 failures.append(f"column {s}: incomplete")
             elif column:  # every group's weight 0: the slice holds nobody's values
                 settled[s] = tuple(column_plan.members[i].peer_id for i in column)
-            average[lo:hi] = values
+                profiles[s] = values[hi - lo :].tolist()
+            average[lo:hi] = values[: hi - lo]
         # 3. the gather: each member's part is the slices it covered, each with
-        # its flag and the mask of the groups its column holds.
-        tail = 1 + _mask_floats(groups)
+        # its flag and its column's weight profile.
+        tail = 1 + groups
         gather = _gather_plan(plan, edges, bounds, tail)
-        masks = {s: group_mask(members, groups) for s, members in settled.items()}
-        flagged = _with_tails(average, bounds, masks, tail)
+        flagged = _with_tails(average, bounds, profiles, tail)
         gathered, gather_report = await self.service.allreduce(
             gather, flagged, 1.0, config=config, gather_only=True
         )
@@ -350,11 +378,11 @@ class GroupedAverager:
         ]
         groups_in: tuple[int, ...] = ()
         if not failures:
-            found = {tuple(t[1:]) for t in tails}
-            if len(found) == 1:
-                groups_in = _groups_of(list(found.pop()))
+            profile = [t[1:] for t in tails]
+            if _same_profiles(profile):
+                groups_in = tuple(g for g, entry in enumerate(profile[0]) if entry != 0.0)
             else:
-                failures.append("gather: the slices hold different sets of groups")
+                failures.append("gather: the slices hold different parts or weights of groups")
         return out, GroupedResult(
             groups=groups,
             group=plan,
@@ -415,30 +443,38 @@ def slice_edges(plan: GroupPlan, slices: int) -> list[int]:
     return shares_to_boundaries([size / total for size in sizes], slices)
 
 
-_MASK_BITS = 23
-"""Group bits per float of a slice's group mask (integers below 2**24 are exact in float32)."""
+def _part_tag(plan: GroupPlan) -> float:
+    """A number in [1, 2) naming the group part that ``plan`` formed (the same at every member)."""
+    digest = hashlib.sha256(b"p2ptrain-part\0" + plan.round_id).digest()
+    return 1.0 + int.from_bytes(digest[:3], "big") / (1 << 24)
 
 
-def _mask_floats(groups: int) -> int:
-    return -(-groups // _MASK_BITS)
+PROFILE_TOLERANCE = 1e-5
+"""Relative difference below which two columns' weight profiles count as equal.
+
+A profile entry is ``Σ W·tag / Σ W`` over the column's parts of one group, in
+float32: rounding differs between columns (their reducers add in arrival
+order) by a few 1e-7; a part missing from one column changes its group's
+entry by at least ``W_part / W_group`` of it (one sample in a group's
+thousands: 1e-4 and more)."""
 
 
-def group_mask(members: Sequence[PeerID], groups: int) -> list[float]:
-    """The groups of ``members`` as bits, ``_MASK_BITS`` per float (exact in float32)."""
-    words = [0] * _mask_floats(groups)
-    for peer in members:
-        g = group_index(peer, groups)
-        words[g // _MASK_BITS] |= 1 << (g % _MASK_BITS)
-    return [float(w) for w in words]
+def _same_profiles(profiles: Sequence[Sequence[float]]) -> bool:
+    """Whether every slice's column averaged the same group parts with the same weights.
 
-
-def _groups_of(mask: Sequence[float]) -> tuple[int, ...]:
-    return tuple(
-        i * _MASK_BITS + b
-        for i, word in enumerate(mask)
-        for b in range(_MASK_BITS)
-        if int(word) >> b & 1
-    )
+    Each column averages, besides its slice, one entry per group: a part
+    contributes its tag (:func:`_part_tag`) at its group's index, weighted by
+    its weight like its values. Two columns that hold the same parts with the
+    same weights get the same profile; a part of a group split in two by
+    matchmaking that reached one column and not another changes its group's
+    entry.
+    """
+    first = profiles[0]
+    for other in profiles[1:]:
+        for a, b in zip(first, other, strict=True):
+            if (a == 0.0) != (b == 0.0) or abs(a - b) > PROFILE_TOLERANCE * max(abs(a), abs(b)):
+                return False
+    return True
 
 
 def _gather_plan(
@@ -458,21 +494,21 @@ def _gather_plan(
 
 
 def _with_tails(
-    average: torch.Tensor, bounds: Sequence[int], masks: dict[int, list[float]], tail: int
+    average: torch.Tensor, bounds: Sequence[int], profiles: dict[int, list[float]], tail: int
 ) -> torch.Tensor:
-    """``average`` with ``tail`` floats after each slice: its flag (1.0: settled) and group mask.
+    """``average`` with ``tail`` floats after each slice: its flag (1.0: settled) and profile.
 
-    Slices not in ``masks`` (not settled here) get zeros.
+    Slices not in ``profiles`` (not settled here) get zeros.
     """
     slices = len(bounds) - 1
     flagged = torch.zeros(average.numel() + slices * tail, dtype=average.dtype)
     for s in range(slices):
         lo, hi = bounds[s], bounds[s + 1]
         flagged[lo + s * tail : hi + s * tail] = average[lo:hi]
-        mask = masks.get(s)
-        if mask is not None:
+        profile = profiles.get(s)
+        if profile is not None:
             at = hi + s * tail
-            flagged[at : at + tail] = torch.tensor([1.0, *mask], dtype=average.dtype)
+            flagged[at : at + tail] = torch.tensor([1.0, *profile], dtype=average.dtype)
     return flagged
 
 

@@ -12,12 +12,12 @@ from p2ptrain.allreduce.grouped import (
     GroupingConfig,
     _common_contributors,
     _gather_plan,
-    _groups_of,
+    _part_tag,
+    _same_profiles,
     _with_tails,
     _without_tails,
     group_count,
     group_index,
-    group_mask,
     slice_bounds,
     slice_edges,
 )
@@ -77,7 +77,7 @@ def test_the_gather_plan_gives_each_member_its_slices_under_a_new_round_id() -> 
     assert gather.digest == _gather_plan(plan, edges, bounds, 2).digest  # every member agrees
 
 
-def test_slice_flags_and_group_masks_travel_after_their_slices_and_come_back_out() -> None:
+def test_slice_flags_and_profiles_travel_after_their_slices_and_come_back_out() -> None:
     bounds = slice_bounds(10, 4)  # [0, 2, 5, 7, 10]
     average = torch.arange(10, dtype=torch.float32)
     flagged = _with_tails(average, bounds, {0: [5.0], 2: [6.0]}, 2)
@@ -87,14 +87,39 @@ def test_slice_flags_and_group_masks_travel_after_their_slices_and_come_back_out
     assert tails == [[1.0, 5.0], [0.0, 0.0], [1.0, 6.0], [0.0, 0.0]]
 
 
-def test_group_masks_are_exact_in_float32_for_many_groups() -> None:
-    peers = [Identity.generate().peer_id for _ in range(200)]
-    groups = 50
-    mask = group_mask(peers, groups)
-    assert len(mask) == 3  # 23 groups per float
-    # float32 keeps every bit (integers below 2**24)
-    assert torch.tensor(mask, dtype=torch.float32).tolist() == mask
-    assert _groups_of(mask) == tuple(sorted({group_index(p, groups) for p in peers}))
+def _profile(parts: list[tuple[int, float, float]], groups: int) -> list[float]:
+    """A column's weight profile in float32: (group, weight, tag) per part, averaged by weight."""
+    entries = torch.zeros(groups, dtype=torch.float32)
+    total = 0.0
+    for group, weight, tag in parts:
+        entries[group] += torch.tensor(weight * tag, dtype=torch.float32)
+        total += weight
+    return (entries / total).tolist()
+
+
+def test_profiles_tell_apart_columns_that_got_different_parts_of_a_split_group() -> None:
+    """Group 1 split in two parts by matchmaking (tags b1, b2): a column that got
+    only one of them holds a different average than the others, though by group
+    index every column holds groups 0-2."""
+    plans = [_plan([0.5, 0.5]) for _ in range(4)]
+    a, b1, b2, c = (_part_tag(p) for p in plans)
+    assert all(1.0 <= t < 2.0 for t in (a, b1, b2, c)) and len({a, b1, b2, c}) == 4
+    assert _part_tag(plans[0]) == a  # every member of a part computes the same tag
+    whole = _profile([(0, 900, a), (1, 500, b1), (1, 400, b2), (2, 1000, c)], 3)
+    # the same parts added in another order: float32 rounding differs, still equal
+    reordered = _profile([(2, 1000, c), (1, 400, b2), (0, 900, a), (1, 500, b1)], 3)
+    assert _same_profiles([whole, reordered])
+    assert not _same_profiles([whole, _profile([(0, 900, a), (1, 500, b1), (2, 1000, c)], 3)])
+    # one part with its weight off by one sample
+    assert not _same_profiles(
+        [whole, _profile([(0, 900, a), (1, 501, b1), (1, 400, b2), (2, 1000, c)], 3)]
+    )
+    # the other part of the same weight in its place
+    assert not _same_profiles(
+        [whole, _profile([(0, 900, a), (1, 500, b2), (1, 400, b1), (2, 1000, c)], 3)]
+    )
+    # a group in one column and not in another (weight 0 entries stay exactly 0)
+    assert not _same_profiles([whole, _profile([(0, 900, a), (1, 500, b1), (1, 400, b2)], 3)])
 
 
 def test_a_group_enters_its_columns_only_if_every_chunk_averaged_the_same_members() -> None:
