@@ -328,6 +328,28 @@ def test_simulation_config_rejects_bad_values() -> None:
         LinkProfile(0.0, 1.0)
 
 
+def test_a_group_part_smaller_than_min_part_share_joins_the_columns_without_weight() -> None:
+    """With min_part_share 1, every group smaller than its expected 8 members
+    is taken for a split-off part: its members' results say so, and everybody
+    else's result is the exact average of the other groups, whose profiles
+    agree although the small group's coverers sat in every column."""
+
+    async def main() -> object:
+        grouping = GroupingConfig(
+            group_size=8, group_window=2.0, column_window=6.0, min_part_share=1.0
+        )
+        config = dataclasses.replace(_small(24, seed=1), grouping=grouping)
+        async with Simulation(config) as sim:
+            return await sim.step()
+
+    result = run_virtual(main())
+    assert 0 < result.incomplete < result.live  # type: ignore[attr-defined]
+    failures = result.failures  # type: ignore[attr-defined]
+    assert failures and all("split off its group" in f for f in failures), failures
+    assert result.max_rel_error < 1e-6  # type: ignore[attr-defined]
+    assert 0.5 < result.counted_fraction < 1.0  # type: ignore[attr-defined]
+
+
 @pytest.mark.slow
 def test_members_killed_mid_round_leave_exact_results_or_honest_failures() -> None:
     # 24 peers in 3 groups of 8; 2 die 1.5-3.5 virtual seconds into the step,
