@@ -41,6 +41,7 @@ authenticated connection, never for contacts merely named in someone's reply.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import ipaddress
 import random
@@ -194,11 +195,14 @@ _IGNORED = AddResult(AddStatus.IGNORED)
 _CROWDED = AddResult(AddStatus.CROWDED)
 
 
+@functools.lru_cache(maxsize=8192)
 def subnet_of(address: str) -> str | None:
     """The /24 (IPv4) or /64 (IPv6) of a public ``host:port`` address, else ``None``.
 
     Loopback, private, link-local and other non-global addresses (a LAN or a
     test swarm) and host names have none: the per-subnet cap leaves them alone.
+    Cached: a crowded-bucket check parses every contact of the bucket, and a
+    node hears the same addresses over and over.
     """
     host = address.rpartition(":")[0].strip("[]")
     try:
