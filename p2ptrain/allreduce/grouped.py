@@ -335,7 +335,7 @@ class GroupedAverager:
         else:  # take part in the columns without weight: receive the others' average
             failures.append("group: not every part averaged the same members")
             total, average, counted = 0.0, vector.clone(), ()
-        # This group part's entry in every column's weight profile (see _profile_entry).
+        # This group part's entry in every column's weight profile (see _same_profiles).
         entry = torch.zeros(groups, dtype=torch.float32)
         entry[index] = _part_tag(plan)
         profiles: dict[int, list[float]] = {}  # covered slice -> its column's weight profile

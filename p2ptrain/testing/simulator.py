@@ -498,7 +498,9 @@ def _freeze_heap() -> None:
     setup's waves and after each step, a collection walks only what the last
     step made; with the rarer collections of :data:`_GC_THRESHOLDS` too, the
     collector took 4 s and the run 45. Cycles among frozen objects wait for
-    :meth:`Simulation.aclose`, which unfreezes and restores the thresholds.
+    :meth:`Simulation.aclose`, which unfreezes (everything, including what a
+    node's first memory pass froze: :mod:`p2ptrain.node.memory`) and restores
+    the thresholds.
     """
     gc.collect()
     gc.freeze()
