@@ -393,6 +393,8 @@ class Node:
 
     def _close_idle(self, *, keep: Connection) -> None:
         """Above ``max_connections``, close the connections idle longest (LRU)."""
+        if len(self._all) <= self.config.max_connections:  # the open ones are among them
+            return
         open_ = [c for c in self._all if not c.closed and not c.draining]
         excess = len(open_) - self.config.max_connections
         if excess <= 0:
