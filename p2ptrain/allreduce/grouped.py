@@ -104,14 +104,17 @@ class GroupingConfig:
             ``(1 + 2k) V``: 7 V at the default 3, against the 8 V that
             issue 13 allows. ``None`` leaves the LP unbounded.
         min_part_share: A group part with fewer members than this share of
-            the group's expected size (``swarm_size / groups``) joins its
-            columns with weight 0. Such a part split off its group in
-            matchmaking (a peer that read its group's announcements after
-            the leader had sealed it leads a part of its own); it covers
-            every slice, and the columns that formed before it announced go
-            on without it, so its weight would reach some slices and not
-            others and every peer's result would be incomplete. Kept out, it
-            costs only its own members' samples.
+            the group's expected size (``swarm_size / groups``) stays out of
+            the columns, and so out of the step (its members' results say
+            so). Such a part split off its group in matchmaking (a peer that
+            read its group's announcements after the leader had sealed it
+            leads a part of its own). It covers every slice: with its
+            weight, it reaches the columns that have not formed yet and
+            misses the others, and every peer's result is incomplete; and
+            even without weight, its announcement in every column counts
+            toward the one-per-group that closes a column, which then forms
+            without a group still on its way. Kept out, it costs only its own
+            members' samples.
     """
 
     group_size: int = 32
@@ -285,6 +288,21 @@ class GroupedAverager:
         if my_index is None:  # from_wire checked it; a plan always includes its receiver
             raise ConfigError("the group plan does not include this peer")
         mine = range(edges[my_index], edges[my_index + 1])
+        expected_size = swarm_size / groups
+        if plan.size < cfg.min_part_share * expected_size:
+            # A part split off its group: it stays out of the columns (see
+            # GroupingConfig.min_part_share), and so out of the step.
+            return vector.clone(), GroupedResult(
+                groups=groups,
+                group=plan,
+                group_weight=0.0,
+                group_counted=(),
+                complete=False,
+                failures=(
+                    f"group: a part of {plan.size} split off its group (expected about "
+                    f"{expected_size:.0f}): it stays out of the columns",
+                ),
+            )
         # 2a. matchmake the columns while the group averages. A column gathers
         # until one member per group announced, but takes every member that
         # announced by then (a group split in two by a late announcement
@@ -321,14 +339,7 @@ class GroupedAverager:
         # its group mates be in, the slices' profiles (in the gather) show
         # the mismatch to every peer, whose result is then incomplete.
         contributors = _common_contributors(group_report)
-        split_off = plan.size < cfg.min_part_share * swarm_size / groups
-        if split_off:
-            failures.append(
-                f"group: a part of {plan.size} split off its group (expected about "
-                f"{swarm_size / groups:.0f}): it joins the columns without weight"
-            )
-            total, average, counted = 0.0, vector.clone(), ()
-        elif contributors and summed[n] > 0:
+        if contributors and summed[n] > 0:
             total = float(summed[n]) * len(contributors)
             average = summed[:n] / summed[n]
             counted = tuple(plan.members[i].peer_id for i in contributors)
