@@ -328,11 +328,10 @@ def test_simulation_config_rejects_bad_values() -> None:
         LinkProfile(0.0, 1.0)
 
 
-def test_a_group_part_smaller_than_min_part_share_joins_the_columns_without_weight() -> None:
+def test_a_group_part_smaller_than_min_part_share_stays_out_of_the_columns() -> None:
     """With min_part_share 1, every group smaller than its expected 8 members
     is taken for a split-off part: its members' results say so, and everybody
-    else's result is the exact average of the other groups, whose profiles
-    agree although the small group's coverers sat in every column."""
+    else's result is the exact average of the other groups."""
 
     async def main() -> object:
         grouping = GroupingConfig(
