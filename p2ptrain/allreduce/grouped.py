@@ -409,8 +409,13 @@ class GroupedAverager:
         )
 
     async def _column_plan(self, key: str, index: int, num_elements: int, groups: int) -> GroupPlan:
+        # A column is due when every group has a member in it, not when G
+        # members announced (two parts of a split group are two members).
         return await self.matchmaker.form_group(
-            f"{key}/s{index}", num_elements=num_elements, expected=groups
+            f"{key}/s{index}",
+            num_elements=num_elements,
+            expected=groups,
+            count_by=lambda peer: group_index(peer, groups),
         )
 
     def _set_target(

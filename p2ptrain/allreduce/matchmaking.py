@@ -278,6 +278,7 @@ class Matchmaker:
         target_batch_size: int = 1,
         expected: int | None = None,
         due: asyncio.Event | None = None,
+        count_by: Callable[[PeerID], object] | None = None,
     ) -> GroupPlan:
         """Join the group for ``key`` and return its plan.
 
@@ -287,6 +288,10 @@ class Matchmaker:
                 announced by then, up to ``target_group_size``: an expectation
                 from a stale view must not leave out a live peer that already
                 announced.
+            count_by: Count toward ``expected`` the distinct values of this
+                function of the announcers' PeerIDs instead of the announcers
+                (a column of grouped averaging waits for one member of every
+                group, however many members of one group announced).
             due: For matchmaking started ahead of a step: set when this
                 peer's step is due. Until then gathering waits for the
                 expected peers without a deadline; the window counts from
@@ -305,7 +310,7 @@ class Matchmaker:
         self._asked[key] = {}
         try:
             await self._announce(key)
-            candidates = await self._gather(key, expected, due)
+            candidates = await self._gather(key, expected, due, count_by)
             # A leader that checked us while we gathered has our word: we wait for its plan.
             if not self.client_mode and not waiter.done() and key not in self._leader:
                 leader = await self._elect(key, candidates)
@@ -371,15 +376,25 @@ class Matchmaker:
         return kept
 
     async def _gather(
-        self, key: str, expected: int | None = None, due: asyncio.Event | None = None
+        self,
+        key: str,
+        expected: int | None = None,
+        due: asyncio.Event | None = None,
+        count_by: Callable[[PeerID], object] | None = None,
     ) -> list[_Candidate]:
         loop = asyncio.get_running_loop()
         enough = self.config.target_group_size
         if expected is not None:
             enough = max(1, min(expected, enough))
+
+        def count(candidates: list[_Candidate]) -> int:
+            if count_by is None:
+                return len(candidates)
+            return len({count_by(c.peer_id) for c in candidates})
+
         while due is not None and not due.is_set():
             candidates = await self._read(key)
-            if len(candidates) >= enough:
+            if count(candidates) >= enough:
                 return self._truncate(candidates, self.config.target_group_size, self.dht.peer_id)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(due.wait(), self.config.poll_interval)
@@ -390,7 +405,11 @@ class Matchmaker:
             candidates = await self._read(key)
             now = loop.time()
             alone = len(candidates) < self.config.min_group_size
-            if len(candidates) >= enough or now >= lone_deadline or (now >= deadline and not alone):
+            if (
+                count(candidates) >= enough
+                or now >= lone_deadline
+                or (now >= deadline and not alone)
+            ):
                 return self._truncate(candidates, self.config.target_group_size, self.dht.peer_id)
             until = deadline if now < deadline else lone_deadline
             await asyncio.sleep(min(self.config.poll_interval, max(0.0, until - now)))

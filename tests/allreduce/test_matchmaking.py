@@ -256,6 +256,39 @@ async def test_an_expected_size_ends_gathering_but_keeps_every_announced_peer(
     assert {c.peer_id for c in candidates} == {p.node.peer_id for p in swarm[:3]}
 
 
+async def test_count_by_waits_for_distinct_values_not_for_announcements(
+    swarm: list[Peer],
+) -> None:
+    """A column of grouped averaging expects one member per group: two
+    announcers of one group count once, so gathering goes on to the window's
+    end, and stops at once when the other group's member is in."""
+    key = "run/step-count-by"
+    first_group = {swarm[0].node.peer_id, swarm[1].node.peer_id}
+
+    def group(peer: object) -> int:
+        return 0 if peer in first_group else 1
+
+    for peer in swarm[:2]:
+        await peer.matchmaker._announce(key)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    candidates = await swarm[0].matchmaker._gather(key, expected=2, count_by=group)
+    assert loop.time() - started >= FAST.window  # two announcers, one group: not enough
+    assert {c.peer_id for c in candidates} == first_group
+    await swarm[2].matchmaker._announce(key)
+    started = loop.time()
+    candidates = await swarm[0].matchmaker._gather(key, expected=2, count_by=group)
+    assert loop.time() - started < FAST.window
+    assert len(candidates) == 3
+    # Without count_by, two announcers of one group are enough.
+    for peer in swarm[:2]:
+        await peer.matchmaker._announce(key + "-plain")
+    started = loop.time()
+    candidates = await swarm[0].matchmaker._gather(key + "-plain", expected=2)
+    assert loop.time() - started < FAST.window
+    assert {c.peer_id for c in candidates} == first_group
+
+
 async def test_chunks_are_cut_to_the_slowest_uplink() -> None:
     """A chunk is one frame: on a 6.25 MB/s uplink it takes chunk_seconds, not 0.7 s."""
     first = await start_peer(())
