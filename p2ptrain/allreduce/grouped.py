@@ -304,7 +304,7 @@ class GroupedAverager:
                 ),
             )
         # 2a. matchmake the columns while the group averages. A column gathers
-        # until one member per group announced, but takes every member that
+        # until every group has a member in it, but takes every member that
         # announced by then (a group split in two by a late announcement
         # covers each slice twice; cutting one out would fail that column).
         # A column averages its slice followed by the groups' profile entries.
