@@ -279,15 +279,6 @@ class GroupedAverager:
         self._set_target(cap, cfg.group_window, max_share_factor=cfg.max_share_factor)
         n = vector.numel()
         plan = await self.matchmaker.form_group(f"{key}/g{index}", num_elements=n + 1)
-        # The slices each member covers follow its share of the group's plan
-        # (the LP's bandwidth balance carries over to the columns and the gather).
-        slices = cfg.group_size
-        bounds = slice_bounds(n, slices)
-        edges = slice_edges(plan, slices)
-        my_index = plan.index_of(me)
-        if my_index is None:  # from_wire checked it; a plan always includes its receiver
-            raise ConfigError("the group plan does not include this peer")
-        mine = range(edges[my_index], edges[my_index + 1])
         expected_size = swarm_size / groups
         if plan.size < cfg.min_part_share * expected_size:
             # A part split off its group: it stays out of the columns (see
@@ -303,6 +294,15 @@ class GroupedAverager:
                     f"{expected_size:.0f}): it stays out of the columns",
                 ),
             )
+        # The slices each member covers follow its share of the group's plan
+        # (the LP's bandwidth balance carries over to the columns and the gather).
+        slices = cfg.group_size
+        bounds = slice_bounds(n, slices)
+        edges = slice_edges(plan, slices)
+        my_index = plan.index_of(me)
+        if my_index is None:  # from_wire checked it; a plan always includes its receiver
+            raise ConfigError("the group plan does not include this peer")
+        mine = range(edges[my_index], edges[my_index + 1])
         # 2a. matchmake the columns while the group averages. A column gathers
         # until every group has a member in it, but takes every member that
         # announced by then (a group split in two by a late announcement
@@ -391,7 +391,7 @@ class GroupedAverager:
         if not failures:
             profile = [t[1:] for t in tails]
             if _same_profiles(profile):
-                groups_in = tuple(g for g, entry in enumerate(profile[0]) if entry != 0.0)
+                groups_in = tuple(g for g, value in enumerate(profile[0]) if value != 0.0)
             else:
                 failures.append("gather: the slices hold different parts or weights of groups")
         return out, GroupedResult(

@@ -288,16 +288,16 @@ class Matchmaker:
                 announced by then, up to ``target_group_size``: an expectation
                 from a stale view must not leave out a live peer that already
                 announced.
-            count_by: Count toward ``expected`` the distinct values of this
-                function of the announcers' PeerIDs instead of the announcers
-                (a column of grouped averaging waits for one member of every
-                group, however many members of one group announced).
             due: For matchmaking started ahead of a step: set when this
                 peer's step is due. Until then gathering waits for the
                 expected peers without a deadline; the window counts from
                 the moment it is set. (Counted from an early start, the
                 window could close before the last peer finished its batch,
                 and the group formed without it.)
+            count_by: Count toward ``expected`` the distinct values of this
+                function of the announcers' PeerIDs instead of the announcers
+                (a column of grouped averaging waits for one member of every
+                group, however many members of one group announced).
 
         Raises:
             MatchmakingError: no group formed (too few live peers, or no plan arrived).
