@@ -18,11 +18,17 @@ Theory of operation
    candidate: DHT reads can miss an announcement (a replica that did not
    store it yet), and a candidate that found its leader must not be left out
    of the leader's group because the leader did not read it.
+   A candidate that was told "ready" follows the peer it asked. If that peer
+   then finds a smaller leader itself, it passes its followers on: in its own
+   ``mm.ready`` question to that leader and in its answer to the leader's
+   check. The leader takes them into its group, and a follower takes a plan
+   that lists the peer it follows as well as one from that peer itself.
 4. **Plan.** The leader asks every announced peer ``mm.ready`` in parallel;
-   those that answer in time form the group (peers that left are dropped
-   here). If at least ``min_group_size`` remain, it solves the load-balancing
-   LP over their capacities and sends every member the plan (``mm.plan``);
-   otherwise it tells them the round is off (``mm.plan`` with no plan).
+   those that answer in time form the group with the followers they name
+   (peers that left are dropped here). If at least ``min_group_size``
+   remain, it solves the load-balancing LP over their capacities and sends
+   every member the plan (``mm.plan``); otherwise it tells them the round
+   is off (``mm.plan`` with no plan).
 5. Every member returns the plan; the caller runs the all-reduce with it.
    A member that gets no plan within ``plan_timeout`` raises
    :class:`~p2ptrain.errors.MatchmakingError` and carries on alone.
@@ -225,6 +231,39 @@ def _parse_announcement(peer_id: PeerID, value: Any) -> _Candidate | None:
     return _Candidate(peer_id, address, capacity)
 
 
+def _announcement_to_wire(candidate: _Candidate) -> dict[str, Any]:
+    value = _capacity_to_wire(candidate.capacity)
+    value["a"] = None if candidate.address is None else str(candidate.address)
+    return value
+
+
+def _parse_followers(raw: Any) -> list[_Candidate]:
+    """Followers named in a message: ``[digest, announcement]`` pairs (malformed ones skipped)."""
+    if not isinstance(raw, list):
+        return []
+    followers = []
+    for item in raw[:_MAX_ASKED]:
+        if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], bytes)):
+            continue
+        try:
+            peer_id = PeerID(item[0])
+        except (TypeError, ValueError, P2PTrainError):
+            continue
+        follower = _parse_announcement(peer_id, item[1])
+        if follower is not None:
+            followers.append(follower)
+    return followers
+
+
+def _parse_check_reply(body: Any) -> list[_Candidate] | None:
+    """A check's answer: the followers the peer names if it is ready, else None."""
+    if body is True:
+        return []
+    if isinstance(body, dict) and body.get("ok") is True:
+        return _parse_followers(body.get("f"))
+    return None
+
+
 class Matchmaker:
     """Forms groups over the DHT; one per node.
 
@@ -254,6 +293,8 @@ class Matchmaker:
         self._waiting: dict[str, asyncio.Future[GroupPlan | None]] = {}
         # Candidates that asked us mm.ready with their announcement, per key.
         self._asked: dict[str, dict[PeerID, _Candidate]] = {}
+        # Followers of those askers, named in their questions, per key.
+        self._forwarded: dict[str, dict[PeerID, _Candidate]] = {}
         # Keys whose group this peer leads and has closed: it is ready for no one else.
         self._sealed: set[str] = set()
         # The leader this peer elected per key: it answers and takes plans from it only.
@@ -308,6 +349,7 @@ class Matchmaker:
         waiter: asyncio.Future[GroupPlan | None] = loop.create_future()
         self._waiting[key] = waiter
         self._asked[key] = {}
+        self._forwarded[key] = {}
         try:
             await self._announce(key)
             candidates = await self._gather(key, expected, due, count_by)
@@ -315,7 +357,8 @@ class Matchmaker:
             if not self.client_mode and not waiter.done() and key not in self._leader:
                 leader = await self._elect(key, candidates)
                 if leader is not None:
-                    self._leader[key] = leader
+                    # A check during the election may have taken our word first: keep it.
+                    self._leader.setdefault(key, leader)
                 elif not waiter.done() and key not in self._leader:
                     await self._lead(
                         key,
@@ -335,6 +378,7 @@ class Matchmaker:
         finally:
             self._waiting.pop(key, None)
             self._asked.pop(key, None)
+            self._forwarded.pop(key, None)
             self._sealed.discard(key)
             self._leader.pop(key, None)
             self._leading.discard(key)
@@ -342,8 +386,7 @@ class Matchmaker:
     # -- steps ---------------------------------------------------------------------------
 
     async def _announce(self, key: str) -> None:
-        value = _capacity_to_wire(self._capacity())
-        value["a"] = None if self.client_mode else str(self.dht.address)
+        value = _announcement_to_wire(self._me())
         expiration = self.dht.now() + self.config.window + self.config.plan_timeout + 30
         await self.dht.store(
             _KEY_PREFIX + key, value, expiration, subkey=self.dht.owned_key(_MEMBER_SUBKEY)
@@ -439,9 +482,10 @@ class Matchmaker:
         """Ask ``candidate`` to lead us: True, False, or the leader it elected."""
         if candidate.address is None:
             return False
-        announcement = _capacity_to_wire(self._capacity())
-        announcement["a"] = None if self.client_mode else str(self.dht.address)
-        request = {"k": key, "c": announcement}
+        request: dict[str, Any] = {"k": key, "c": _announcement_to_wire(self._me())}
+        followers = self._followers_to_wire(key)
+        if followers:
+            request["f"] = followers
         try:
             reply = await self.dht.node.call(
                 candidate.address.with_peer(candidate.peer_id),
@@ -481,13 +525,22 @@ class Matchmaker:
             known.setdefault(peer, asker)
         candidates = sorted(known.values(), key=lambda c: c.peer_id)
         others = [c for c in candidates if c.peer_id != me]
-        alive = await asyncio.gather(*(self._is_ready(c, key) for c in others))
+        answers = await asyncio.gather(*(self._is_ready(c, key) for c in others))
         members = [c for c in candidates if c.peer_id == me] or [self._me()]
-        members += [c for c, ok in zip(others, alive, strict=True) if ok]
-        # Those that asked us while we checked were told we lead: they are live.
-        for peer, asker in self._asked.get(key, {}).items():
-            if peer not in known and len(members) < self.config.target_group_size:
-                members.append(asker)
+        members += [c for c, named in zip(others, answers, strict=True) if named is not None]
+        # Those that asked us while we checked were told we lead, and the
+        # followers our members named wait for a plan that lists them: all live.
+        late = [asker for peer, asker in self._asked.get(key, {}).items() if peer not in known]
+        named = [*self._forwarded.get(key, {}).values()]
+        for followers in answers:
+            named += followers or ()
+        taken = {c.peer_id for c in members}
+        for joiner in (*late, *named):
+            if len(members) >= self.config.target_group_size:
+                break
+            if joiner.peer_id not in taken:
+                taken.add(joiner.peer_id)
+                members.append(joiner)
         self._sealed.add(key)
         members.sort(key=lambda c: c.peer_id)
         plan: GroupPlan | None = None
@@ -548,7 +601,8 @@ class Matchmaker:
         """A leader's ``mm.ready`` check: the key and where to find this leader."""
         return {"k": key, "lead": None if self.client_mode else str(self.dht.address)}
 
-    async def _is_ready(self, candidate: _Candidate, key: str) -> bool:
+    async def _is_ready(self, candidate: _Candidate, key: str) -> list[_Candidate] | None:
+        """Check ``candidate`` for our group: the followers it names, or None if not ready."""
         if candidate.address is None:
             return await self._client_is_ready(candidate, key)
         try:
@@ -560,21 +614,32 @@ class Matchmaker:
             )
         except P2PTrainError as exc:
             logger.debug("%s is not ready for %s: %s", candidate.peer_id.short, key, exc)
-            return False
-        return reply.body is True
+            return None
+        return _parse_check_reply(reply.body)
 
-    async def _client_is_ready(self, candidate: _Candidate, key: str) -> bool:
+    async def _client_is_ready(self, candidate: _Candidate, key: str) -> list[_Candidate] | None:
         """A client-mode peer can only be asked over a connection it opened to us."""
         conn = self.dht.node.connection_to(candidate.peer_id)
         if conn is None:
-            return False
+            return None
         try:
             reply = await conn.call(
                 READY_METHOD, self._check_request(key), timeout=self.config.ready_timeout
             )
         except P2PTrainError:
-            return False
-        return reply.body is True
+            return None
+        return _parse_check_reply(reply.body)
+
+    def _followers_to_wire(self, key: str) -> list[list[Any]]:
+        """Those that follow us for ``key`` (asked us, or were named by those
+        who did), as ``[digest, announcement]`` pairs: at most a group's worth."""
+        followers = {**self._forwarded.get(key, {}), **self._asked.get(key, {})}
+        followers.pop(self.dht.peer_id, None)
+        chosen = sorted(followers.values(), key=lambda c: c.peer_id)
+        return [
+            [c.peer_id.digest, _announcement_to_wire(c)]
+            for c in chosen[: self.config.target_group_size]
+        ]
 
     async def _send_plan(self, member: _Candidate, key: str, body: Any) -> None:
         request = {"k": key, "plan": body}
@@ -619,11 +684,20 @@ class Matchmaker:
                 self._leader[key] = _parse_announcement(
                     ctx.peer, {"a": lead, "u": 1.0, "d": 1.0}
                 ) or _Candidate(ctx.peer, None, PeerCapacity(1.0, 1.0))
+            followers = self._followers_to_wire(key)
+            if followers:
+                return Message({"ok": True, "f": followers})
         elif ready and isinstance(body, dict) and isinstance(key, str):
             asker = _parse_announcement(ctx.peer, body.get("c"))
             asked = self._asked.get(key)
             if asker is not None and asked is not None and len(asked) < _MAX_ASKED:
                 asked[asker.peer_id] = asker
+            forwarded = self._forwarded.get(key)
+            if asker is not None and forwarded is not None:
+                for follower in _parse_followers(body.get("f")):
+                    if len(forwarded) >= _MAX_ASKED:
+                        break
+                    forwarded.setdefault(follower.peer_id, follower)
         return Message(ready)
 
     async def _on_plan(self, ctx: CallContext, request: Message) -> Message:
@@ -633,13 +707,17 @@ class Matchmaker:
         waiter = self._waiting.get(body["k"])
         if waiter is None or waiter.done():
             return Message(False)
-        leader = self._leader.get(body["k"])
-        if leader is not None and leader.peer_id != ctx.peer:
-            return Message(False)  # we wait for the plan of the leader we elected
         plan = None if body.get("plan") is None else plan_from_wire(body["plan"])
         if plan is not None and (
             plan.index_of(self.dht.peer_id) is None or plan.index_of(ctx.peer) is None
         ):
             raise PermissionDeniedError("a plan must come from a member and include us")
+        # We wait for the plan of the leader we elected, or of the group it joined.
+        leader = self._leader.get(body["k"])
+        joined = (
+            plan is not None and leader is not None and plan.index_of(leader.peer_id) is not None
+        )
+        if leader is not None and leader.peer_id != ctx.peer and not joined:
+            return Message(False)
         waiter.set_result(plan)
         return Message(True)

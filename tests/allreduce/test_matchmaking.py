@@ -18,6 +18,8 @@ from p2ptrain.allreduce.matchmaking import (
     Balancer,
     Matchmaker,
     MatchmakingConfig,
+    _parse_check_reply,
+    _parse_followers,
     plan_from_wire,
     plan_to_wire,
 )
@@ -27,6 +29,7 @@ from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError, InvalidArgumentError, MatchmakingError
 from p2ptrain.node.node import Node
+from p2ptrain.secure.identity import PeerID
 
 FAST = MatchmakingConfig(
     window=0.6,
@@ -152,6 +155,86 @@ async def test_a_peer_a_leader_checked_waits_for_its_plan_instead_of_leading_alo
     )
     assert plans[0].round_id == plans[1].round_id
     assert {m.peer_id for m in plans[0].members} == {leader.node.peer_id, follower.node.peer_id}
+
+
+async def test_a_peer_whose_leader_follows_a_smaller_one_joins_that_group(
+    swarm: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The orphan race of large swarms: M's reads miss Z and M asks X, which
+    # answers "ready" because it is still gathering; X then finds Z and
+    # follows it. Z's check of M is refused (M waits for X), so unless X
+    # passes M on and M takes the plan of the group X joined, M gets none.
+    first, middle, last = sorted(swarm[:3], key=lambda p: p.node.peer_id)
+    windows = {first: 1.6, middle: 1.0, last: 0.3}
+    for peer, window in windows.items():
+        monkeypatch.setattr(peer.matchmaker, "config", replace(FAST, window=window))
+
+    async def blind_to_first(key: str) -> object:
+        found = await Matchmaker._read(last.matchmaker, key)
+        return [c for c in found if c.peer_id != first.node.peer_id]
+
+    monkeypatch.setattr(last.matchmaker, "_read", blind_to_first)
+    asked: list[bytes] = []
+    probe = Matchmaker._probe
+
+    async def recorded_probe(self: Matchmaker, candidate: object, key: str) -> object:
+        asked.append(candidate.peer_id.digest)  # type: ignore[attr-defined]
+        return await probe(self, candidate, key)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(last.matchmaker, "_probe", recorded_probe.__get__(last.matchmaker))
+    plans = await asyncio.gather(
+        *(p.matchmaker.form_group("run/orphan", num_elements=64) for p in (first, middle, last))
+    )
+    # The race happened: M asked X, never Z.
+    assert asked == [middle.node.peer_id.digest]
+    assert len({p.round_id for p in plans}) == 1
+    members = {m.peer_id for m in plans[0].members}
+    assert members == {first.node.peer_id, middle.node.peer_id, last.node.peer_id}
+
+
+async def test_followers_are_passed_on_through_a_chain_of_askers(
+    swarm: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two levels: D asks C, C asks B (each still gathering when asked), B
+    # then follows A. A learns of C and D only through B.
+    a, b, c, d = sorted(swarm[:4], key=lambda p: p.node.peer_id)
+    windows = {a: 2.0, b: 1.4, c: 0.8, d: 0.3}
+    for peer, window in windows.items():
+        monkeypatch.setattr(peer.matchmaker, "config", replace(FAST, window=window))
+    sees = {a: {a}, b: {a, b}, c: {b, c}, d: {c, d}}
+    for peer, visible in sees.items():
+        ids = {p.node.peer_id for p in visible}
+
+        async def partial(key: str, m: Matchmaker = peer.matchmaker, ids: set = ids) -> object:
+            found = await Matchmaker._read(m, key)
+            return [x for x in found if x.peer_id in ids or x.peer_id in m._asked.get(key, {})]
+
+        monkeypatch.setattr(peer.matchmaker, "_read", partial)
+    plans = await asyncio.gather(
+        *(p.matchmaker.form_group("run/chain", num_elements=64) for p in (a, b, c, d))
+    )
+    assert len({p.round_id for p in plans}) == 1
+    assert {m.peer_id for m in plans[0].members} == {p.node.peer_id for p in (a, b, c, d)}
+
+
+def test_malformed_followers_are_skipped() -> None:
+    good = PeerID(bytes(range(32)))
+    announcement = {"a": "127.0.0.1:9", "u": 1.0, "d": 2.0}
+    raw = [
+        [good.digest, announcement],
+        [b"short", announcement],
+        [good.digest, {"u": "fast"}],
+        "not a pair",
+        [good.digest],
+    ]
+    parsed = _parse_followers(raw)
+    assert [f.peer_id for f in parsed] == [good]
+    assert parsed[0].capacity.download_bytes_per_s == 2.0
+    assert _parse_followers({"not": "a list"}) == []
+    assert _parse_check_reply(True) == []
+    assert _parse_check_reply(False) is None
+    assert _parse_check_reply({"l": good.digest}) is None
+    assert [f.peer_id for f in _parse_check_reply({"ok": True, "f": raw}) or []] == [good]
 
 
 async def test_alone_is_too_few(swarm: list[Peer]) -> None:
