@@ -19,12 +19,14 @@ Theory of operation
    store it yet), and a candidate that found its leader must not be left out
    of the leader's group because the leader did not read it.
    A candidate that was told "ready" follows the peer it asked. If that peer
-   then finds a smaller leader itself, it passes its followers on: in its own
-   ``mm.ready`` question to that leader and in its answer to the leader's
-   check. The leader takes them into its group, and a follower takes a plan
-   that lists the peer it follows as well as one from that peer itself.
-4. **Plan.** The leader asks every announced peer ``mm.ready`` in parallel;
-   those that answer in time form the group with the followers they name
+   then finds a smaller leader itself, it passes its followers on, each with
+   the peer it follows: in its own ``mm.ready`` question to that leader and
+   in its answer to the leader's check. The leader checks them too, naming
+   the peer each follows (a follower answers a check only through the peer
+   it follows), and a follower takes a plan that lists the peer it follows
+   as well as one from that peer itself.
+4. **Plan.** The leader asks every announced peer ``mm.ready`` in parallel,
+   then the followers those name; those that answer in time form the group
    (peers that left are dropped here). If at least ``min_group_size``
    remain, it solves the load-balancing LP over their capacities and sends
    every member the plan (``mm.plan``); otherwise it tells them the round
@@ -237,25 +239,30 @@ def _announcement_to_wire(candidate: _Candidate) -> dict[str, Any]:
     return value
 
 
-def _parse_followers(raw: Any) -> list[_Candidate]:
-    """Followers named in a message: ``[digest, announcement]`` pairs (malformed ones skipped)."""
+def _parse_followers(raw: Any) -> list[tuple[_Candidate, PeerID]]:
+    """Followers named in a message, each with the peer it follows.
+
+    On the wire: ``[digest, announcement, followed digest]`` triples;
+    malformed ones are skipped.
+    """
     if not isinstance(raw, list):
         return []
     followers = []
     for item in raw[:_MAX_ASKED]:
-        if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], bytes)):
+        if not (isinstance(item, list | tuple) and len(item) == 3):
             continue
+        digest, announcement, followed = item
         try:
-            peer_id = PeerID(item[0])
+            peer_id, via = PeerID(digest), PeerID(followed)
         except (TypeError, ValueError, P2PTrainError):
             continue
-        follower = _parse_announcement(peer_id, item[1])
+        follower = _parse_announcement(peer_id, announcement)
         if follower is not None:
-            followers.append(follower)
+            followers.append((follower, via))
     return followers
 
 
-def _parse_check_reply(body: Any) -> list[_Candidate] | None:
+def _parse_check_reply(body: Any) -> list[tuple[_Candidate, PeerID]] | None:
     """A check's answer: the followers the peer names if it is ready, else None."""
     if body is True:
         return []
@@ -293,8 +300,11 @@ class Matchmaker:
         self._waiting: dict[str, asyncio.Future[GroupPlan | None]] = {}
         # Candidates that asked us mm.ready with their announcement, per key.
         self._asked: dict[str, dict[PeerID, _Candidate]] = {}
-        # Followers of those askers, named in their questions, per key.
-        self._forwarded: dict[str, dict[PeerID, _Candidate]] = {}
+        # Followers of those askers, named in their questions, with the peer
+        # each follows, per key.
+        self._forwarded: dict[str, dict[PeerID, tuple[_Candidate, PeerID]]] = {}
+        # Leaders that checked us through the peer we follow, per key: we take their plans.
+        self._joined: dict[str, set[PeerID]] = {}
         # Keys whose group this peer leads and has closed: it is ready for no one else.
         self._sealed: set[str] = set()
         # The leader this peer elected per key: it answers and takes plans from it only.
@@ -379,6 +389,7 @@ class Matchmaker:
             self._waiting.pop(key, None)
             self._asked.pop(key, None)
             self._forwarded.pop(key, None)
+            self._joined.pop(key, None)
             self._sealed.discard(key)
             self._leader.pop(key, None)
             self._leading.discard(key)
@@ -528,19 +539,25 @@ class Matchmaker:
         answers = await asyncio.gather(*(self._is_ready(c, key) for c in others))
         members = [c for c in candidates if c.peer_id == me] or [self._me()]
         members += [c for c, named in zip(others, answers, strict=True) if named is not None]
-        # Those that asked us while we checked were told we lead, and the
-        # followers our members named wait for a plan that lists them: all live.
-        late = [asker for peer, asker in self._asked.get(key, {}).items() if peer not in known]
-        named = [*self._forwarded.get(key, {}).values()]
-        for followers in answers:
-            named += followers or ()
+        # The followers our members named (or their questions did), checked
+        # through the peer each follows: it waits for that peer's plan.
         taken = {c.peer_id for c in members}
-        for joiner in (*late, *named):
-            if len(members) >= self.config.target_group_size:
-                break
-            if joiner.peer_id not in taken:
-                taken.add(joiner.peer_id)
-                members.append(joiner)
+        named = dict(self._forwarded.get(key, {}))
+        for followers in answers:
+            named.update((f.peer_id, (f, via)) for f, via in followers or ())
+        unchecked = [(f, via) for peer, (f, via) in named.items() if peer not in taken]
+        if unchecked:
+            second = await asyncio.gather(*(self._is_ready(f, key, via) for f, via in unchecked))
+            for (follower, _), answer in zip(unchecked, second, strict=True):
+                if answer is not None and follower.peer_id not in taken:
+                    taken.add(follower.peer_id)
+                    members.append(follower)
+        # Those that asked us while we checked were told we lead: they are live.
+        for peer, asker in self._asked.get(key, {}).items():
+            if peer not in known and peer not in taken:
+                taken.add(peer)
+                members.append(asker)
+        members = members[: self.config.target_group_size]
         self._sealed.add(key)
         members.sort(key=lambda c: c.peer_id)
         plan: GroupPlan | None = None
@@ -597,19 +614,31 @@ class Matchmaker:
         fits = int(slowest * cfg.chunk_seconds / max(bytes_per_element, 1.0))
         return min(cfg.chunk_elements, max(MIN_CHUNK_ELEMENTS, fits))
 
-    def _check_request(self, key: str) -> dict[str, Any]:
-        """A leader's ``mm.ready`` check: the key and where to find this leader."""
-        return {"k": key, "lead": None if self.client_mode else str(self.dht.address)}
+    def _check_request(self, key: str, via: PeerID | None) -> dict[str, Any]:
+        """A leader's ``mm.ready`` check: the key, where to find this leader,
+        and for a named follower, the peer it follows."""
+        request: dict[str, Any] = {
+            "k": key,
+            "lead": None if self.client_mode else str(self.dht.address),
+        }
+        if via is not None:
+            request["via"] = via.digest
+        return request
 
-    async def _is_ready(self, candidate: _Candidate, key: str) -> list[_Candidate] | None:
-        """Check ``candidate`` for our group: the followers it names, or None if not ready."""
+    async def _is_ready(
+        self, candidate: _Candidate, key: str, via: PeerID | None = None
+    ) -> list[tuple[_Candidate, PeerID]] | None:
+        """Check ``candidate`` for our group: the followers it names, or None if not ready.
+
+        ``via``: the peer that ``candidate`` follows, for a follower it named.
+        """
         if candidate.address is None:
-            return await self._client_is_ready(candidate, key)
+            return await self._client_is_ready(candidate, key, via)
         try:
             reply = await self.dht.node.call(
                 candidate.address.with_peer(candidate.peer_id),
                 READY_METHOD,
-                self._check_request(key),
+                self._check_request(key, via),
                 timeout=self.config.ready_timeout,
             )
         except P2PTrainError as exc:
@@ -617,14 +646,16 @@ class Matchmaker:
             return None
         return _parse_check_reply(reply.body)
 
-    async def _client_is_ready(self, candidate: _Candidate, key: str) -> list[_Candidate] | None:
+    async def _client_is_ready(
+        self, candidate: _Candidate, key: str, via: PeerID | None
+    ) -> list[tuple[_Candidate, PeerID]] | None:
         """A client-mode peer can only be asked over a connection it opened to us."""
         conn = self.dht.node.connection_to(candidate.peer_id)
         if conn is None:
             return None
         try:
             reply = await conn.call(
-                READY_METHOD, self._check_request(key), timeout=self.config.ready_timeout
+                READY_METHOD, self._check_request(key, via), timeout=self.config.ready_timeout
             )
         except P2PTrainError:
             return None
@@ -632,13 +663,16 @@ class Matchmaker:
 
     def _followers_to_wire(self, key: str) -> list[list[Any]]:
         """Those that follow us for ``key`` (asked us, or were named by those
-        who did), as ``[digest, announcement]`` pairs: at most a group's worth."""
-        followers = {**self._forwarded.get(key, {}), **self._asked.get(key, {})}
-        followers.pop(self.dht.peer_id, None)
-        chosen = sorted(followers.values(), key=lambda c: c.peer_id)
+        who did), as ``[digest, announcement, followed digest]``: at most a
+        group's worth."""
+        me = self.dht.peer_id
+        followers = dict(self._forwarded.get(key, {}))
+        followers.update((peer, (c, me)) for peer, c in self._asked.get(key, {}).items())
+        followers.pop(me, None)
+        chosen = sorted(followers.values(), key=lambda item: item[0].peer_id)
         return [
-            [c.peer_id.digest, _announcement_to_wire(c)]
-            for c in chosen[: self.config.target_group_size]
+            [c.peer_id.digest, _announcement_to_wire(c), via.digest]
+            for c, via in chosen[: self.config.target_group_size]
         ]
 
     async def _send_plan(self, member: _Candidate, key: str, body: Any) -> None:
@@ -666,7 +700,13 @@ class Matchmaker:
         waiter = self._waiting.get(key) if isinstance(key, str) else None
         ready = waiter is not None and not waiter.done() and key not in self._sealed
         leader = self._leader.get(key) if isinstance(key, str) else None
-        if ready and leader is not None and leader.peer_id != ctx.peer:
+        via = body.get("via") if isinstance(body, dict) else None
+        if ready and leader is not None and leader.peer_id != ctx.peer and isinstance(key, str):
+            if via == leader.peer_id.digest:
+                # The leader of the group the peer we follow joined checks us:
+                # we take its plan too.
+                self._joined.setdefault(key, set()).add(ctx.peer)
+                return Message(True)
             # Promised to the leader we elected: name it to an asker that wants a leader.
             if isinstance(body, dict):
                 address = None if leader.address is None else str(leader.address)
@@ -694,10 +734,10 @@ class Matchmaker:
                 asked[asker.peer_id] = asker
             forwarded = self._forwarded.get(key)
             if asker is not None and forwarded is not None:
-                for follower in _parse_followers(body.get("f")):
+                for follower, followed in _parse_followers(body.get("f")):
                     if len(forwarded) >= _MAX_ASKED:
                         break
-                    forwarded.setdefault(follower.peer_id, follower)
+                    forwarded.setdefault(follower.peer_id, (follower, followed))
         return Message(ready)
 
     async def _on_plan(self, ctx: CallContext, request: Message) -> Message:
@@ -713,8 +753,9 @@ class Matchmaker:
         ):
             raise PermissionDeniedError("a plan must come from a member and include us")
         # We wait for the plan of the leader we elected, or of the group it joined.
-        leader = self._leader.get(body["k"])
-        joined = (
+        key = body["k"]
+        leader = self._leader.get(key)
+        joined = ctx.peer in self._joined.get(key, ()) or (
             plan is not None and leader is not None and plan.index_of(leader.peer_id) is not None
         )
         if leader is not None and leader.peer_id != ctx.peer and not joined:

@@ -217,24 +217,50 @@ async def test_followers_are_passed_on_through_a_chain_of_askers(
     assert {m.peer_id for m in plans[0].members} == {p.node.peer_id for p in (a, b, c, d)}
 
 
+async def test_a_named_follower_that_does_not_answer_stays_out(
+    swarm: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A follower is named by another peer, not by itself: the leader checks
+    # it before it enters the plan (a peer could name anyone, or a follower
+    # could have left since), so an unreachable one costs nothing.
+    leader, member = sorted(swarm[:2], key=lambda p: p.node.peer_id)
+    monkeypatch.setattr(leader.matchmaker, "config", replace(FAST, window=1.0))
+    monkeypatch.setattr(member.matchmaker, "config", replace(FAST, window=0.3))
+    ghost = PeerID(bytes(range(32)))
+    named = [
+        [
+            ghost.digest,
+            {"a": "127.0.0.1:1", "u": 1.0, "d": 1.0},
+            member.node.peer_id.digest,
+        ]
+    ]
+    monkeypatch.setattr(member.matchmaker, "_followers_to_wire", lambda key: named)
+    plans = await asyncio.gather(
+        *(p.matchmaker.form_group("run/ghost", num_elements=64) for p in (leader, member))
+    )
+    assert plans[0].round_id == plans[1].round_id
+    assert {m.peer_id for m in plans[0].members} == {leader.node.peer_id, member.node.peer_id}
+
+
 def test_malformed_followers_are_skipped() -> None:
-    good = PeerID(bytes(range(32)))
+    good, leader = PeerID(bytes(range(32))), PeerID(bytes(32))
     announcement = {"a": "127.0.0.1:9", "u": 1.0, "d": 2.0}
     raw = [
+        [good.digest, announcement, leader.digest],
+        [b"short", announcement, leader.digest],
+        [good.digest, announcement, b"short"],
+        [good.digest, {"u": "fast"}, leader.digest],
         [good.digest, announcement],
-        [b"short", announcement],
-        [good.digest, {"u": "fast"}],
-        "not a pair",
-        [good.digest],
+        "not a triple",
     ]
     parsed = _parse_followers(raw)
-    assert [f.peer_id for f in parsed] == [good]
-    assert parsed[0].capacity.download_bytes_per_s == 2.0
+    assert [(f.peer_id, via) for f, via in parsed] == [(good, leader)]
+    assert parsed[0][0].capacity.download_bytes_per_s == 2.0
     assert _parse_followers({"not": "a list"}) == []
     assert _parse_check_reply(True) == []
     assert _parse_check_reply(False) is None
     assert _parse_check_reply({"l": good.digest}) is None
-    assert [f.peer_id for f in _parse_check_reply({"ok": True, "f": raw}) or []] == [good]
+    assert [f.peer_id for f, _ in _parse_check_reply({"ok": True, "f": raw}) or []] == [good]
 
 
 async def test_alone_is_too_few(swarm: list[Peer]) -> None:
