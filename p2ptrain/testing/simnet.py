@@ -48,6 +48,8 @@ from p2ptrain.wire.frames import Frame, FrameDecoder, buffer_nbytes
 __all__ = ["LinkProfile", "SimEndpoint", "SimNetwork", "SimTransport"]
 
 _PACKET_BYTES = 1448
+_EARLY_S = 1e-6
+"""How early a frame may be taken in (more than any loop's clock resolution)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +215,12 @@ class SimTransport(FrameTransport):
         self._loop.call_at(when, self._drain)
 
     def _drain(self) -> None:
-        now = self._loop.time()
+        # A loop runs a timer up to its clock resolution early (asyncio takes
+        # every handle due before ``time() + resolution``): a frame due within
+        # that much of another timer would otherwise be found not yet due by
+        # its own drain and then wait for the connection's next frame, which
+        # in a handshake never comes.
+        now = self._loop.time() + _EARLY_S
         inbound = self._inbound
         while inbound and inbound[0][0] <= now and not self.closed:
             _, data = inbound.popleft()

@@ -17,10 +17,13 @@ from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.errors import ConnectError, P2PTrainError
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
+from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.testing.simnet import LinkProfile, SimNetwork
 from p2ptrain.testing.simulator import Simulation, SimulationConfig
 from p2ptrain.testing.virtual_clock import VirtualClockLoop, run_virtual
+from p2ptrain.transport.base import FrameTransport
+from p2ptrain.wire.frames import Frame, FrameType, encode_frame
 
 # -- the virtual clock ---------------------------------------------------------------------
 
@@ -86,6 +89,33 @@ def test_a_transfer_takes_its_bytes_over_the_slower_link_plus_latency() -> None:
     assert size == 2_000_000
     assert small == pytest.approx(0.04, rel=0.05)  # one round trip
     assert big == pytest.approx(2.0 + 0.04, rel=0.02)  # 2 MB at 1 MB/s, then the reply
+
+
+def test_a_frame_due_just_after_another_timer_is_still_delivered() -> None:
+    # asyncio runs every timer due before time() + its clock resolution, so a
+    # frame's drain can run a hair before the frame is due. It must take the
+    # frame then: nothing else would wake it (found at 512 simulated peers,
+    # where handshakes between live hosts timed out after 10 s).
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        net = SimNetwork()
+        link = LinkProfile.mbit(100, 100, 20)
+        a, b = net.add_host("10.0.0.1", link), net.add_host("10.0.0.2", link)
+        accepted: list[FrameTransport] = []
+        limits = ConnectionConfig()
+        await b.listen("10.0.0.2", 1, accepted.append, limits=limits, reuse_port=False)
+        ours = await a.connect("10.0.0.2", 1, timeout=5.0, limits=limits)
+        theirs = accepted[0]
+        due = loop.time() + 1.0
+        loop.call_at(due, lambda: None)  # the timer the clock jumps to
+        head, payload = encode_frame(Frame(FrameType.PING, fields={"n": 7}))
+        theirs._arrive(due + 5e-10, head + bytes(payload))  # type: ignore[attr-defined]
+        async with asyncio.timeout(5.0):
+            frame = await theirs.recv_frame()
+        ours.close()
+        return int(frame.field("n"))
+
+    assert run_virtual(main()) == 7
 
 
 def test_a_killed_host_resets_its_connections_and_refuses_new_ones() -> None:
