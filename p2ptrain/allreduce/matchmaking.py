@@ -549,7 +549,7 @@ class Matchmaker:
         if unchecked:
             second = await asyncio.gather(*(self._is_ready(f, key, via) for f, via in unchecked))
             for (follower, _), answer in zip(unchecked, second, strict=True):
-                if answer is not None and follower.peer_id not in taken:
+                if answer is not None:  # each named once: ``named`` is keyed by peer
                     taken.add(follower.peer_id)
                     members.append(follower)
         # Those that asked us while we checked were told we lead: they are live.

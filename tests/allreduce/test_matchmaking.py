@@ -63,6 +63,12 @@ async def start_peer(initial: tuple[str, ...], upload: float = 1e8) -> Peer:
     return Peer(node, dht, Matchmaker(dht=dht, config=FAST, capacity=lambda: capacity))
 
 
+def set_windows(monkeypatch: pytest.MonkeyPatch, windows: dict[Peer, float]) -> None:
+    """Give each peer its own gathering window (the rest of FAST stays)."""
+    for peer, window in windows.items():
+        monkeypatch.setattr(peer.matchmaker, "config", replace(FAST, window=window))
+
+
 @pytest.fixture
 async def swarm() -> AsyncIterator[list[Peer]]:
     first = await start_peer(())
@@ -116,7 +122,7 @@ async def test_a_leader_whose_reads_miss_the_others_still_takes_those_that_ask_i
     # A DHT read can miss announcements (a replica that has not stored them);
     # the peers that elected the leader tell it themselves through mm.ready.
     leader = min(swarm, key=lambda p: p.node.peer_id)
-    monkeypatch.setattr(leader.matchmaker, "config", replace(FAST, window=1.5))
+    set_windows(monkeypatch, {leader: 1.5})
 
     async def blind(key: str) -> object:
         return leader.matchmaker._with_known(key, {})  # sees only itself and its askers
@@ -137,8 +143,7 @@ async def test_a_peer_a_leader_checked_waits_for_its_plan_instead_of_leading_alo
     # Having said it was ready, the peer must wait for that plan: leading alone
     # it gave up ("too few live peers") while the leader's round waited for it.
     leader, follower = sorted(swarm[:2], key=lambda p: p.node.peer_id)
-    monkeypatch.setattr(leader.matchmaker, "config", replace(FAST, window=0.3))
-    monkeypatch.setattr(follower.matchmaker, "config", replace(FAST, window=0.9))
+    set_windows(monkeypatch, {leader: 0.3, follower: 0.9})
     plan_slowly = leader.matchmaker._plan
 
     async def slow_plan(*args: object, **kwargs: object) -> GroupPlan:
@@ -165,9 +170,7 @@ async def test_a_peer_whose_leader_follows_a_smaller_one_joins_that_group(
     # follows it. Z's check of M is refused (M waits for X), so unless X
     # passes M on and M takes the plan of the group X joined, M gets none.
     first, middle, last = sorted(swarm[:3], key=lambda p: p.node.peer_id)
-    windows = {first: 1.6, middle: 1.0, last: 0.3}
-    for peer, window in windows.items():
-        monkeypatch.setattr(peer.matchmaker, "config", replace(FAST, window=window))
+    set_windows(monkeypatch, {first: 1.6, middle: 1.0, last: 0.3})
 
     async def blind_to_first(key: str) -> object:
         found = await Matchmaker._read(last.matchmaker, key)
@@ -198,9 +201,7 @@ async def test_followers_are_passed_on_through_a_chain_of_askers(
     # Two levels: D asks C, C asks B (each still gathering when asked), B
     # then follows A. A learns of C and D only through B.
     a, b, c, d = sorted(swarm[:4], key=lambda p: p.node.peer_id)
-    windows = {a: 2.0, b: 1.4, c: 0.8, d: 0.3}
-    for peer, window in windows.items():
-        monkeypatch.setattr(peer.matchmaker, "config", replace(FAST, window=window))
+    set_windows(monkeypatch, {a: 2.0, b: 1.4, c: 0.8, d: 0.3})
     sees = {a: {a}, b: {a, b}, c: {b, c}, d: {c, d}}
     for peer, visible in sees.items():
         ids = {p.node.peer_id for p in visible}
@@ -224,8 +225,7 @@ async def test_a_named_follower_that_does_not_answer_stays_out(
     # it before it enters the plan (a peer could name anyone, or a follower
     # could have left since), so an unreachable one costs nothing.
     leader, member = sorted(swarm[:2], key=lambda p: p.node.peer_id)
-    monkeypatch.setattr(leader.matchmaker, "config", replace(FAST, window=1.0))
-    monkeypatch.setattr(member.matchmaker, "config", replace(FAST, window=0.3))
+    set_windows(monkeypatch, {leader: 1.0, member: 0.3})
     ghost = PeerID(bytes(range(32)))
     named = [
         [
