@@ -350,18 +350,28 @@ class GroupedAverager:
         entry = torch.zeros(groups, dtype=torch.float32)
         entry[index] = _part_tag(plan)
         profiles: dict[int, list[float]] = {}  # covered slice -> its column's weight profile
-        # 2b. one all-reduce per covered slice, weighted by the group's weight.
-        for s, task in columns.items():
+
+        # 2b. one all-reduce per covered slice, weighted by the group's weight,
+        # all at once: each waits for its column's slowest member, and a member
+        # that covers several slices would otherwise add those waits up.
+        async def column_round(s: int) -> tuple[GroupPlan, torch.Tensor, AllReduceReport]:
             lo, hi = bounds[s], bounds[s + 1]
-            try:
-                column_plan = await task
-                values, report = await self.service.allreduce(
-                    column_plan, torch.cat([average[lo:hi], entry]), total, config=config
-                )
-            except P2PTrainError as exc:
-                logger.info("column %d of %s failed: %s", s, key, exc)
-                failures.append(f"column {s}: {exc}")
+            column_plan = await columns[s]
+            values, report = await self.service.allreduce(
+                column_plan, torch.cat([average[lo:hi], entry]), total, config=config
+            )
+            return column_plan, values, report
+
+        outcomes = await asyncio.gather(*(column_round(s) for s in columns), return_exceptions=True)
+        for s, outcome in zip(columns, outcomes, strict=True):
+            lo, hi = bounds[s], bounds[s + 1]
+            if isinstance(outcome, P2PTrainError):
+                logger.info("column %d of %s failed: %s", s, key, outcome)
+                failures.append(f"column {s}: {outcome}")
                 continue
+            if isinstance(outcome, BaseException):
+                raise outcome
+            column_plan, values, report = outcome
             reports.append(report)
             column = _common_contributors(report)
             if column is None:

@@ -237,6 +237,39 @@ def test_grouped_averaging_reaches_the_exact_weighted_average_under_churn() -> N
         assert result.max_dict_entries <= 2.5 * 8  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
+def test_a_member_covering_several_slices_runs_their_columns_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each column waits for its slowest member: a member covering several
+    slices averages them concurrently instead of adding those waits up."""
+    in_flight: dict[int, int] = {}
+    most: dict[int, int] = {}
+    original = AllReduceService.allreduce
+
+    async def counted(self: AllReduceService, *args: object, **kwargs: object) -> object:
+        key = id(self)
+        in_flight[key] = in_flight.get(key, 0) + 1
+        most[key] = max(most.get(key, 0), in_flight[key])
+        try:
+            return await original(self, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            in_flight[key] -= 1
+
+    monkeypatch.setattr(AllReduceService, "allreduce", counted)
+
+    async def main() -> object:
+        async with Simulation(_small(24, seed=3)) as sim:
+            return await sim.step()
+
+    result = run_virtual(main())
+    assert result.groups == 3  # type: ignore[attr-defined]
+    assert result.incomplete == 0, result.failures  # type: ignore[attr-defined]
+    assert result.max_rel_error < 1e-6  # type: ignore[attr-defined]
+    # The group's round and the gather run alone; only columns overlap.
+    assert max(most.values()) >= 2
+
+
 def test_below_the_group_size_the_swarm_averages_in_one_group() -> None:
     async def main() -> object:
         async with Simulation(_small(6, seed=1)) as sim:
