@@ -446,9 +446,16 @@ class Matchmaker:
                 return len(candidates)
             return len({count_by(c.peer_id) for c in candidates})
 
+        waiter = self._waiting.get(key)
+
+        def taken() -> bool:
+            # A leader's plan arrived, or a leader checked us and has our word:
+            # what we would gather no longer matters (we neither elect nor lead).
+            return (waiter is not None and waiter.done()) or key in self._leader
+
         while due is not None and not due.is_set():
             candidates = await self._read(key)
-            if count(candidates) >= enough:
+            if taken() or count(candidates) >= enough:
                 return self._truncate(candidates, self.config.target_group_size, self.dht.peer_id)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(due.wait(), self.config.poll_interval)
@@ -460,13 +467,18 @@ class Matchmaker:
             now = loop.time()
             alone = len(candidates) < self.config.min_group_size
             if (
-                count(candidates) >= enough
+                taken()
+                or count(candidates) >= enough
                 or now >= lone_deadline
                 or (now >= deadline and not alone)
             ):
                 return self._truncate(candidates, self.config.target_group_size, self.dht.peer_id)
             until = deadline if now < deadline else lone_deadline
-            await asyncio.sleep(min(self.config.poll_interval, max(0.0, until - now)))
+            pause = min(self.config.poll_interval, max(0.0, until - now))
+            if waiter is None:
+                await asyncio.sleep(pause)
+            else:  # wake when a plan arrives (asyncio.wait never cancels the waiter)
+                await asyncio.wait({waiter}, timeout=pause)
 
     async def _elect(self, key: str, candidates: list[_Candidate]) -> _Candidate | None:
         """The live leader smaller than us, or None if we lead.

@@ -523,3 +523,26 @@ async def test_max_share_factor_reaches_the_balancer_as_a_bound_per_member(
     assert seen == [pytest.approx(0.5), None]  # one leader per round plans
     with pytest.raises(ConfigError, match="max_share_factor"):
         MatchmakingConfig(max_share_factor=0.5)
+
+
+async def test_a_member_stops_gathering_once_its_leader_took_it(
+    swarm: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader's view is complete, the member's is not (it expects a third
+    peer that never comes): once the leader checked it and sent the plan, the
+    member has nothing left to gather for and returns at once, not at the end
+    of its long window (a column's member waited seconds for nothing)."""
+    key = "run/step-taken"
+    leader, member = sorted(swarm[:2], key=lambda p: p.node.peer_id)
+    set_windows(monkeypatch, {leader: 0.3, member: 30.0})
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    plans = await asyncio.wait_for(
+        asyncio.gather(
+            leader.matchmaker.form_group(key, num_elements=100, expected=2),
+            member.matchmaker.form_group(key, num_elements=100, expected=3),
+        ),
+        timeout=20.0,
+    )
+    assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
+    assert loop.time() - started < 10.0  # the member's window alone is 30 s
