@@ -303,7 +303,8 @@ class DHTNode:
         # A verifying peer holds a greeting's reply while it checks our address
         # (see _serve_ping): budget for that wait on top of the request itself.
         timeout = self.config.request_timeout + self._verify_wait
-        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         self.stats.on_sent(METHOD_PING)
         try:
             async with asyncio.timeout(timeout):
@@ -317,7 +318,7 @@ class DHTNode:
             failures[address.endpoint] = str(exc) or "timeout"
             logger.debug("initial peer %s did not answer: %s", address, exc or "timeout")
             return False
-        self.stats.on_answer(METHOD_PING, time.perf_counter() - started)
+        self.stats.on_answer(METHOD_PING, loop.time() - started)
         if conn.remote_peer == self.peer_id:
             return False
         if not reply.client_mode:
@@ -778,7 +779,9 @@ class DHTNode:
     ) -> T:
         """One request to ``contact``: the routing table hears of its success or failure."""
         timeout = self.config.request_timeout if timeout is None else timeout
-        started = time.perf_counter()
+        # The loop's clock, like the lookup's patience it feeds (a simulation's is virtual).
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         self.stats.on_sent(method)
         try:
             async with asyncio.timeout(timeout):
@@ -798,7 +801,7 @@ class DHTNode:
             self.stats.on_failure(method, exc)
             self.routing_table.mark_failed(contact.peer_id)
             raise
-        elapsed = time.perf_counter() - started
+        elapsed = loop.time() - started
         self.stats.on_answer(method, elapsed)
         self._srtt = elapsed if self._srtt is None else 0.8 * self._srtt + 0.2 * elapsed
         self._heard(contact)
