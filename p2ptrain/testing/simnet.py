@@ -20,15 +20,25 @@ Bytes move on the loop's clock (meant to be a
 * a lost packet (each of the frame's ~1448-byte packets independently with
   the sender's loss rate) delays the frame by one round trip, as a
   retransmission would; frames stay in order per connection;
-* ``send_frame`` waits while the sender's uplink holds more than
+* a link queues at most its ``queue_s`` seconds of bytes: a bulk frame (a
+  payload of :data:`~p2ptrain.transport.pacing.BULK_FRAME_BYTES` or more)
+  waits until the sender's uplink and the receiver's downlink both queue
+  less, the bulk senders of a host (and to a host) taking turns frame by
+  frame, as TCP keeps a home modem's buffer about that full and shares the
+  link among its connections; a smaller frame (a request, a credit) is
+  queued at once, as the transport's pacing writes it
+  (``ConnectionConfig.pace_target_s``), so it waits about ``queue_s`` plus
+  one frame on each link at most;
+* ``send_frame`` also waits while the sender's uplink holds more than
   ``write_high_water`` bytes, which is the backpressure a socket gives;
 * dialing takes one round trip; a host with nobody listening refuses after
   one round trip (:class:`~p2ptrain.errors.ConnectError`); a killed host
   (:meth:`SimNetwork.kill`) closes its connections, and the other side learns
   it one one-way delay later, as from a reset.
 
-This is a flow model, not a packet model: concurrent transfers share a link
-in FIFO order rather than fairly, and congestion control is not modelled.
+This is a flow model, not a packet model: bulk senders share an uplink
+frame by frame, a downlink is one FIFO, and congestion control is not
+modelled beyond the uplink's bounded queue.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from dataclasses import dataclass
 from p2ptrain.errors import ConfigError, ConnectError, ConnectionClosedError, RemoteProtocolError
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.transport.base import FrameTransport
+from p2ptrain.transport.pacing import BULK_FRAME_BYTES
 from p2ptrain.wire.frames import Frame, FrameDecoder, buffer_nbytes
 
 __all__ = ["LinkProfile", "SimEndpoint", "SimNetwork", "SimTransport"]
@@ -62,12 +73,16 @@ class LinkProfile:
         rtt_s: Round-trip time to the network core; two hosts see
             ``(rtt_a + rtt_b) / 2`` between them.
         loss: Probability that one packet is lost (and retransmitted), in [0, 1).
+        queue_s: The most seconds of bytes each direction of the link queues
+            before a bulk frame waits (a home modem's buffer, which TCP keeps
+            about full: typically 0.1 to 0.5 s).
     """
 
     upload_bytes_per_s: float
     download_bytes_per_s: float
     rtt_s: float = 0.04
     loss: float = 0.0
+    queue_s: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("upload_bytes_per_s", "download_bytes_per_s"):
@@ -78,6 +93,8 @@ class LinkProfile:
             raise ConfigError(f"rtt_s must be finite and >= 0, got {self.rtt_s!r}")
         if not 0 <= self.loss < 1:
             raise ConfigError(f"loss must be in [0, 1), got {self.loss!r}")
+        if not (math.isfinite(self.queue_s) and self.queue_s >= 0):
+            raise ConfigError(f"queue_s must be finite and >= 0, got {self.queue_s!r}")
 
     @classmethod
     def mbit(cls, down: float, up: float, rtt_ms: float, loss: float = 0.0) -> LinkProfile:
@@ -98,6 +115,8 @@ class SimEndpoint:
         self.bytes_received = 0
         self.alive = True
         self.transports: set[SimTransport] = set()
+        self.bulk_turn = asyncio.Lock()  # the host's bulk frames queue in turn
+        self.bulk_in_turn = asyncio.Lock()  # and so do the bulk frames sent to it
         self._listeners: dict[int, Callable[[FrameTransport], None]] = {}
         self._next_port = 1
 
@@ -186,8 +205,17 @@ class SimTransport(FrameTransport):
         return self._name
 
     async def send_frame(self, frame: Frame) -> int:
-        size = self.send_frame_nowait(frame)
         local = self.local
+        if buffer_nbytes(frame.payload) >= BULK_FRAME_BYTES:
+            remote = self.remote
+            async with remote.bulk_in_turn, local.bulk_turn:
+                # Holding both turns, only small frames can queue meanwhile: one wait.
+                wait = self._room_at() - self._loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                size = self.send_frame_nowait(frame)
+        else:
+            size = self.send_frame_nowait(frame)
         drained_at = local.up_free - self._high_water / local.link.upload_bytes_per_s
         wait = drained_at - self._loop.time()
         if wait > 0:
@@ -195,6 +223,11 @@ class SimTransport(FrameTransport):
         if self.closed:
             raise self._close_exc or ConnectionClosedError("connection closed")
         return size
+
+    def _room_at(self) -> float:
+        """When this host's uplink and the remote's downlink queue at most their ``queue_s``."""
+        local, remote = self.local, self.remote
+        return max(local.up_free - local.link.queue_s, remote.down_free - remote.link.queue_s)
 
     def send_frame_nowait(self, frame: Frame) -> int:
         head, payload, size = self._encode(frame)

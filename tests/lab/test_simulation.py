@@ -118,6 +118,58 @@ def test_a_frame_due_just_after_another_timer_is_still_delivered() -> None:
     assert run_virtual(main()) == 7
 
 
+def test_an_uplink_queues_at_most_queue_s_and_its_bulk_senders_take_turns() -> None:
+    # A home modem's buffer holds a fraction of a second, not every byte the
+    # host's connections have to send: a request waits behind that buffer
+    # and one frame, not behind megabytes (the production transport's
+    # pacing writes small frames at once).
+    async def main() -> tuple[float, float, list[float], float]:
+        loop = asyncio.get_running_loop()
+        net = SimNetwork()
+        slow = LinkProfile.mbit(100, 8, 20)  # 1 MB/s up
+        fast = LinkProfile.mbit(100, 100, 20)
+        a = net.add_host("10.0.0.1", slow)
+        accepted: list[FrameTransport] = []
+        limits = ConnectionConfig()
+        outgoing = []
+        for i in (2, 3, 4):
+            host = f"10.0.0.{i}"
+            await net.add_host(host, fast).listen(
+                host, 1, accepted.append, limits=limits, reuse_port=False
+            )
+            outgoing.append(await a.connect(host, 1, timeout=5.0, limits=limits))
+        chunk = bytes(256 * 1024)
+        finished: list[float] = []
+
+        async def bulk(transport: FrameTransport) -> None:
+            for _ in range(8):
+                await transport.send_frame(Frame(FrameType.DATA, stream_id=1, payload=chunk))
+            finished.append(loop.time())
+
+        started = loop.time()
+        senders = [asyncio.create_task(bulk(t)) for t in outgoing[:2]]
+        await asyncio.sleep(1.0)  # 4 MiB to send: 4.2 s of uplink
+        backlog = a.up_free - loop.time()
+        sent = loop.time()
+        await outgoing[2].send_frame(Frame(FrameType.PING, fields={"n": 1}))
+        async with asyncio.timeout(10.0):
+            await accepted[2].recv_frame()
+        waited = loop.time() - sent
+        await asyncio.gather(*senders)
+        for transport in outgoing:
+            transport.close()
+        return backlog, waited, finished, started
+
+    backlog, waited, finished, started = run_virtual(main())
+    frame_s = 256 * 1024 / 1e6
+    assert backlog <= 0.25 + frame_s + 1e-6
+    assert waited <= 0.25 + frame_s + 0.01 + 1e-3  # the queue, one frame, the one-way delay
+    # In turns (the first sender queues two frames before the second's first):
+    # both streams end within two frames of each other, the link busy throughout.
+    assert abs(finished[0] - finished[1]) <= 2 * frame_s + 0.02
+    assert max(finished) - started == pytest.approx(16 * frame_s, abs=0.25 + 2 * frame_s)
+
+
 def test_a_killed_host_resets_its_connections_and_refuses_new_ones() -> None:
     async def main() -> None:
         net = SimNetwork()
