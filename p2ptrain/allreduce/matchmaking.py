@@ -311,6 +311,8 @@ class Matchmaker:
         self._leader: dict[str, _Candidate] = {}
         # Keys whose group this peer has begun to lead.
         self._leading: set[str] = set()
+        # Set per key once a leader took us (its plan arrived, or we promised it).
+        self._taken: dict[str, asyncio.Event] = {}
         handlers = dht.node.handlers
         handlers.add_unary(READY_METHOD, self._on_ready)
         handlers.add_unary(PLAN_METHOD, self._on_plan)
@@ -358,6 +360,7 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[GroupPlan | None] = loop.create_future()
         self._waiting[key] = waiter
+        self._taken[key] = asyncio.Event()
         self._asked[key] = {}
         self._forwarded[key] = {}
         try:
@@ -392,6 +395,7 @@ class Matchmaker:
             self._joined.pop(key, None)
             self._sealed.discard(key)
             self._leader.pop(key, None)
+            self._taken.pop(key, None)
             self._leading.discard(key)
 
     # -- steps ---------------------------------------------------------------------------
@@ -446,16 +450,30 @@ class Matchmaker:
                 return len(candidates)
             return len({count_by(c.peer_id) for c in candidates})
 
-        waiter = self._waiting.get(key)
+        # Set once a leader's plan arrived or a leader's check has our word:
+        # what we would gather no longer matters (we neither elect nor lead),
+        # so it ends a read in flight and a pause between reads.
+        taken = self._taken.get(key) or asyncio.Event()
 
-        def taken() -> bool:
-            # A leader's plan arrived, or a leader checked us and has our word:
-            # what we would gather no longer matters (we neither elect nor lead).
-            return (waiter is not None and waiter.done()) or key in self._leader
+        async def read() -> list[_Candidate]:
+            reading = asyncio.ensure_future(self._read(key))
+            waking = asyncio.ensure_future(taken.wait())
+            try:
+                await asyncio.wait({reading, waking}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waking.cancel()
+                if not reading.done():
+                    reading.cancel()
+                await asyncio.gather(reading, waking, return_exceptions=True)
+            return self._with_known(key, {}) if reading.cancelled() else reading.result()
+
+        async def pause(seconds: float) -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(taken.wait(), seconds)
 
         while due is not None and not due.is_set():
-            candidates = await self._read(key)
-            if taken() or count(candidates) >= enough:
+            candidates = await read()
+            if taken.is_set() or count(candidates) >= enough:
                 return self._truncate(candidates, self.config.target_group_size, self.dht.peer_id)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(due.wait(), self.config.poll_interval)
@@ -463,22 +481,18 @@ class Matchmaker:
         others_expected = expected is not None and enough > 1
         lone_deadline = deadline + (self.config.lone_wait if others_expected else 0.0)
         while True:
-            candidates = await self._read(key)
+            candidates = await read()
             now = loop.time()
             alone = len(candidates) < self.config.min_group_size
             if (
-                taken()
+                taken.is_set()
                 or count(candidates) >= enough
                 or now >= lone_deadline
                 or (now >= deadline and not alone)
             ):
                 return self._truncate(candidates, self.config.target_group_size, self.dht.peer_id)
             until = deadline if now < deadline else lone_deadline
-            pause = min(self.config.poll_interval, max(0.0, until - now))
-            if waiter is None:
-                await asyncio.sleep(pause)
-            else:  # wake when a plan arrives (asyncio.wait never cancels the waiter)
-                await asyncio.wait({waiter}, timeout=pause)
+            await pause(min(self.config.poll_interval, max(0.0, until - now)))
 
     async def _elect(self, key: str, candidates: list[_Candidate]) -> _Candidate | None:
         """The live leader smaller than us, or None if we lead.
@@ -736,6 +750,7 @@ class Matchmaker:
                 self._leader[key] = _parse_announcement(
                     ctx.peer, {"a": lead, "u": 1.0, "d": 1.0}
                 ) or _Candidate(ctx.peer, None, PeerCapacity(1.0, 1.0))
+            self._mark_taken(key)
             followers = self._followers_to_wire(key)
             if followers:
                 return Message({"ok": True, "f": followers})
@@ -773,4 +788,11 @@ class Matchmaker:
         if leader is not None and leader.peer_id != ctx.peer and not joined:
             return Message(False)
         waiter.set_result(plan)
+        self._mark_taken(key)
         return Message(True)
+
+    def _mark_taken(self, key: str) -> None:
+        """A leader took us for ``key``: stop gathering (see :meth:`_gather`)."""
+        event = self._taken.get(key)
+        if event is not None:
+            event.set()

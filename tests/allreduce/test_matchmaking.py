@@ -546,3 +546,31 @@ async def test_a_member_stops_gathering_once_its_leader_took_it(
     )
     assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
     assert loop.time() - started < 10.0  # the member's window alone is 30 s
+
+
+async def test_a_member_taken_in_the_middle_of_a_slow_read_stops_at_once(
+    swarm: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DHT read can take seconds (a lookup behind a busy uplink): a leader's
+    check ends it, rather than the member finishing the read first."""
+    key = "run/step-taken-reading"
+    leader, member = sorted(swarm[:2], key=lambda p: p.node.peer_id)
+    set_windows(monkeypatch, {leader: 0.3, member: 30.0})
+    read = member.matchmaker._read
+
+    async def slow_read(key: str) -> list[object]:
+        await asyncio.sleep(30.0)
+        return await read(key)
+
+    monkeypatch.setattr(member.matchmaker, "_read", slow_read)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    plans = await asyncio.wait_for(
+        asyncio.gather(
+            leader.matchmaker.form_group(key, num_elements=100, expected=2),
+            member.matchmaker.form_group(key, num_elements=100, expected=3),
+        ),
+        timeout=20.0,
+    )
+    assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
+    assert loop.time() - started < 10.0
