@@ -491,7 +491,8 @@ class DHTNode:
         staged: deque[Contact] = deque()
         # A query that outlives `patience` is given up by the lookup (which
         # moves on) but left running as a straggler, so a slow peer is not
-        # blamed; stragglers are cancelled when the lookup ends.
+        # blamed; stragglers outlive the lookup (_await_straggler), and one
+        # that answers clears its address from the skipped ones.
         patience = self._query_patience()
         started: dict[asyncio.Task[FindReply], float] = {}
         stragglers: set[asyncio.Task[FindReply]] = set()
@@ -520,8 +521,8 @@ class DHTNode:
                     started.pop(task, None)
                     if task in stragglers:  # the lookup gave up on it already
                         stragglers.discard(task)
-                        if not task.cancelled():
-                            task.exception()  # retrieved: a late failure is no news
+                        if not task.cancelled() and task.exception() is None:
+                            self._unresponsive.pop(contact.address)  # slow, not silent
                         continue
                     try:
                         reply = task.result()
@@ -541,11 +542,31 @@ class DHTNode:
                 if lookup.done:
                     break
         finally:
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+            cancelled = []
+            for task, contact in pending.items():
+                if task in stragglers and not self._closing:
+                    self._tasks.spawn(
+                        self._await_straggler(task, contact.address),
+                        name=f"dht-straggler:{contact.peer_id.short}",
+                    )
+                else:
+                    task.cancel()
+                    cancelled.append(task)
+            if cancelled:
+                await asyncio.gather(*cancelled, return_exceptions=True)
         return lookup.result()
+
+    async def _await_straggler(self, task: asyncio.Task[FindReply], address: str) -> None:
+        """A query its lookup gave up on still runs (``request_timeout`` at most):
+        should it answer, its address was slow, not silent, and later lookups
+        stop skipping it (a peer whose uplink is busy with a tensor answers late)."""
+        try:
+            await task
+        except _FAILURES:
+            return
+        finally:
+            task.cancel()  # a no-op once done; stops the query should we be cancelled
+        self._unresponsive.pop(address)
 
     def _note_unresponsive(self, address: str, now: float) -> None:
         """A lookup gave up on ``address``: later lookups skip it for a while."""

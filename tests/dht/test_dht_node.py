@@ -867,3 +867,31 @@ async def test_a_dictionary_read_again_asks_only_its_closest_replicas(make_dht: 
         if peer not in (writer, reader):
             await peer.aclose()
     assert set(await reader.get_dictionary("group")) == {b"a", b"b"}  # writer's and our copy
+
+
+async def test_a_slow_peer_a_lookup_gave_up_on_is_skipped_only_until_it_answers(
+    make_dht: DHTFactory,
+) -> None:
+    """A lookup moves on from a query after its patience (0.5 s here) and
+    later lookups skip that address; a peer that answers late (its uplink
+    busy with a tensor) is slow, not silent, and is skipped no longer."""
+    servers = await swarm(make_dht, 3, request_timeout=3.0)
+    slow = servers[2]
+    serve = slow.dht_node._serve_find
+
+    async def late(ctx: CallContext, request: Message) -> Message:
+        await asyncio.sleep(0.9)
+        return await serve(ctx, request)
+
+    reader = await make_dht(*servers, client_mode=True, request_timeout=3.0)
+    slow.node.handlers.remove(METHOD_FIND)
+    slow.node.handlers.add_unary(METHOD_FIND, late)
+    node = reader.dht_node
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await node.find_nodes(NodeID.from_peer_id(slow.peer_id))
+    assert loop.time() - started < 0.9  # the lookup did not wait for the slow peer
+    address = slow.address.endpoint  # as contacts name it
+    assert node._unresponsive.get(address, loop.time()) is True
+    await asyncio.sleep(1.0)  # the query it gave up on answers meanwhile
+    assert node._unresponsive.get(address, loop.time()) is None
