@@ -42,9 +42,9 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS, GroupMember, GroupPlan
@@ -78,6 +78,8 @@ MIN_CHUNK_ELEMENTS = 1 << 16
 """The smallest chunk a plan is cut into (256 KiB of float32), however slow the links."""
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 READY_METHOD = "mm.ready"
 PLAN_METHOD = "mm.plan"
@@ -456,16 +458,8 @@ class Matchmaker:
         taken = self._taken.get(key) or asyncio.Event()
 
         async def read() -> list[_Candidate]:
-            reading = asyncio.ensure_future(self._read(key))
-            waking = asyncio.ensure_future(taken.wait())
-            try:
-                await asyncio.wait({reading, waking}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waking.cancel()
-                if not reading.done():
-                    reading.cancel()
-                await asyncio.gather(reading, waking, return_exceptions=True)
-            return self._with_known(key, {}) if reading.cancelled() else reading.result()
+            found = await self._unless_taken(key, self._read(key))
+            return self._with_known(key, {}) if found is None else found
 
         async def pause(seconds: float) -> None:
             with contextlib.suppress(TimeoutError):
@@ -509,11 +503,32 @@ class Matchmaker:
             for _ in range(_MAX_REDIRECTS):
                 if asked is None or asked.address is None or asked.peer_id == me:
                     break
-                answer = await self._probe(asked, key)
+                # A leader's check may take our word while we ask around: we
+                # then wait for its plan (asking on, one candidate after
+                # another, kept a whole group waiting for our part).
+                answer = await self._unless_taken(key, self._probe(asked, key))
+                if answer is None:
+                    return None
                 if answer is True:
                     return asked
                 asked = answer if isinstance(answer, _Candidate) else None
         return None
+
+    async def _unless_taken(self, key: str, work: Coroutine[Any, Any, T]) -> T | None:
+        """``work``'s result, or ``None`` (``work`` cancelled) once a leader took us for ``key``."""
+        taken = self._taken.get(key)
+        if taken is None:
+            return await work
+        working = asyncio.ensure_future(work)
+        waking = asyncio.ensure_future(taken.wait())
+        try:
+            await asyncio.wait({working, waking}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waking.cancel()
+            if not working.done():
+                working.cancel()
+            await asyncio.gather(working, waking, return_exceptions=True)
+        return None if working.cancelled() else working.result()
 
     async def _probe(self, candidate: _Candidate, key: str) -> bool | _Candidate:
         """Ask ``candidate`` to lead us: True, False, or the leader it elected."""

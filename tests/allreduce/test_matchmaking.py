@@ -574,3 +574,36 @@ async def test_a_member_taken_in_the_middle_of_a_slow_read_stops_at_once(
     )
     assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
     assert loop.time() - started < 10.0
+
+
+async def test_a_member_taken_while_it_asks_around_stops_asking(
+    swarm: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The member's window ends first and it asks the smaller candidates to
+    lead it, one after another (each may take ``ready_timeout``); the
+    leader's check takes its word meanwhile. It stops asking and takes the
+    plan: asking on, it kept the whole group waiting for its part."""
+    key = "run/step-taken-electing"
+    leader, member = sorted(swarm[:2], key=lambda p: p.node.peer_id)
+    set_windows(monkeypatch, {leader: 1.0, member: 0.1})
+    probe = member.matchmaker._probe
+    asking = asyncio.Event()
+
+    async def slow_probe(candidate: object, key: str) -> object:
+        asking.set()
+        await asyncio.sleep(30.0)
+        return await probe(candidate, key)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(member.matchmaker, "_probe", slow_probe)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    plans = await asyncio.wait_for(
+        asyncio.gather(
+            leader.matchmaker.form_group(key, num_elements=100, expected=3),
+            member.matchmaker.form_group(key, num_elements=100, expected=3),
+        ),
+        timeout=20.0,
+    )
+    assert asking.is_set()  # the member was asking when the leader took it
+    assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
+    assert loop.time() - started < 10.0
