@@ -31,6 +31,10 @@ Theory of operation
    remain, it solves the load-balancing LP over their capacities and sends
    every member the plan (``mm.plan``); otherwise it tells them the round
    is off (``mm.plan`` with no plan).
+   A peer that a leader took while it gathered or asked around (the
+   leader's check has its word, or the plan came) stops at once, in the
+   middle of a DHT read or a question if need be: what it would learn no
+   longer matters, and the group's all-reduce waits for its part.
 5. Every member returns the plan; the caller runs the all-reduce with it.
    A member that gets no plan within ``plan_timeout`` raises
    :class:`~p2ptrain.errors.MatchmakingError` and carries on alone.
