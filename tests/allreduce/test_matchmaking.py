@@ -525,6 +525,22 @@ async def test_max_share_factor_reaches_the_balancer_as_a_bound_per_member(
         MatchmakingConfig(max_share_factor=0.5)
 
 
+async def form_one_pair(leader: Peer, member: Peer, key: str, *, leader_expects: int) -> float:
+    """Both matchmake for ``key``, the member expecting a third peer that
+    never comes; they must form one group of two. The seconds it took."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    plans = await asyncio.wait_for(
+        asyncio.gather(
+            leader.matchmaker.form_group(key, num_elements=100, expected=leader_expects),
+            member.matchmaker.form_group(key, num_elements=100, expected=3),
+        ),
+        timeout=20.0,
+    )
+    assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
+    return loop.time() - started
+
+
 async def test_a_member_stops_gathering_once_its_leader_took_it(
     swarm: list[Peer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -535,17 +551,8 @@ async def test_a_member_stops_gathering_once_its_leader_took_it(
     key = "run/step-taken"
     leader, member = sorted(swarm[:2], key=lambda p: p.node.peer_id)
     set_windows(monkeypatch, {leader: 0.3, member: 30.0})
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    plans = await asyncio.wait_for(
-        asyncio.gather(
-            leader.matchmaker.form_group(key, num_elements=100, expected=2),
-            member.matchmaker.form_group(key, num_elements=100, expected=3),
-        ),
-        timeout=20.0,
-    )
-    assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
-    assert loop.time() - started < 10.0  # the member's window alone is 30 s
+    elapsed = await form_one_pair(leader, member, key, leader_expects=2)
+    assert elapsed < 10.0  # the member's window alone is 30 s
 
 
 async def test_a_member_taken_in_the_middle_of_a_slow_read_stops_at_once(
@@ -563,17 +570,7 @@ async def test_a_member_taken_in_the_middle_of_a_slow_read_stops_at_once(
         return await read(key)
 
     monkeypatch.setattr(member.matchmaker, "_read", slow_read)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    plans = await asyncio.wait_for(
-        asyncio.gather(
-            leader.matchmaker.form_group(key, num_elements=100, expected=2),
-            member.matchmaker.form_group(key, num_elements=100, expected=3),
-        ),
-        timeout=20.0,
-    )
-    assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
-    assert loop.time() - started < 10.0
+    assert await form_one_pair(leader, member, key, leader_expects=2) < 10.0
 
 
 async def test_a_member_taken_while_it_asks_around_stops_asking(
@@ -595,15 +592,6 @@ async def test_a_member_taken_while_it_asks_around_stops_asking(
         return await probe(candidate, key)  # type: ignore[arg-type]
 
     monkeypatch.setattr(member.matchmaker, "_probe", slow_probe)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    plans = await asyncio.wait_for(
-        asyncio.gather(
-            leader.matchmaker.form_group(key, num_elements=100, expected=3),
-            member.matchmaker.form_group(key, num_elements=100, expected=3),
-        ),
-        timeout=20.0,
-    )
+    elapsed = await form_one_pair(leader, member, key, leader_expects=3)
     assert asking.is_set()  # the member was asking when the leader took it
-    assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
-    assert loop.time() - started < 10.0
+    assert elapsed < 10.0
