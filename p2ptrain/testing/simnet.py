@@ -36,9 +36,9 @@ Bytes move on the loop's clock (meant to be a
   (:meth:`SimNetwork.kill`) closes its connections, and the other side learns
   it one one-way delay later, as from a reset.
 
-This is a flow model, not a packet model: bulk senders share an uplink
-frame by frame, a downlink is one FIFO, and congestion control is not
-modelled beyond the uplink's bounded queue.
+This is a flow model, not a packet model: bulk senders share a link frame
+by frame within its bounded queue, small frames join the queue in FIFO
+order, and congestion control is not modelled beyond that bound.
 """
 
 from __future__ import annotations
