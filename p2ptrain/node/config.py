@@ -38,7 +38,9 @@ class NodeConfig:
             others refuse). Off by default; see docs/security.md.
         max_connections: open connections above which the node closes the
             ones idle longest (no open streams for at least ``min_idle_s``);
-            busy connections are never closed for this.
+            busy connections are never closed for this. While busy or young
+            ones hold the pool above it, the node looks again as soon as the
+            next could qualify.
         min_idle_s: seconds a connection must have been idle to be closed
             for ``max_connections``.
         idle_close_grace_s: such a close is graceful (the remote closes it when

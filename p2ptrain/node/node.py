@@ -70,6 +70,8 @@ class Node:
         self._tasks = BackgroundTasks(f"node {self.identity.peer_id.short}")
         """Dials, accepts, idle closes and the memory release loop."""
         self._closing = False
+        self._sweep_pending = False
+        """A later pass of :meth:`_close_idle` is scheduled (the pool stayed full)."""
         self._router: Router | None = None
         self._closed_traffic: dict[str, tuple[int, int]] = {}
         self.inbound = InboundLimiter(
@@ -391,8 +393,13 @@ class Node:
         logger.debug("connected to %s via %s", conn.remote_peer.short, conn.path)
         self._close_idle(keep=conn)
 
-    def _close_idle(self, *, keep: Connection) -> None:
-        """Above ``max_connections``, close the connections idle longest (LRU)."""
+    def _close_idle(self, *, keep: Connection | None = None) -> None:
+        """Above ``max_connections``, close the connections idle longest (LRU).
+
+        Connections with open streams, or idle for less than ``min_idle_s``,
+        are not closed; while they keep the pool above the bound, another
+        pass runs once the next of them could qualify.
+        """
         if len(self._all) <= self.config.max_connections:  # the open ones are among them
             return
         open_ = [c for c in self._all if not c.closed and not c.draining]
@@ -415,6 +422,26 @@ class Node:
                 del self._by_peer[conn.remote_peer]
             # Gracefully: the remote may be opening a stream on it right now.
             conn.go_away(self.config.idle_close_grace_s)
+        if len(idle) < excess:
+            self._sweep_later([c for c in open_ if not c.draining], now)
+
+    def _sweep_later(self, open_: list[Connection], now: float) -> None:
+        """Pass again when the earliest-idle connection reaches ``min_idle_s``."""
+        if self._sweep_pending or self._closing:
+            return
+        idle_since = [c.idle_since for c in open_ if c.idle_since is not None]
+        due = min(idle_since) + self.config.min_idle_s - now if idle_since else 0.0
+        # A busy pool (every stream open) is looked at again after min_idle_s.
+        delay = max(due, self.config.min_idle_s if not idle_since else 0.0, _MIN_SWEEP_S)
+        self._sweep_pending = True
+        self._tasks.spawn(self._sweep_after(delay), name="node-pool-sweep")
+
+    async def _sweep_after(self, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            self._sweep_pending = False
+        self._close_idle()
 
     def _forget(self, conn: Connection) -> None:
         if conn in self._all:
@@ -430,6 +457,8 @@ class Node:
 
 
 _MAX_LOGGED_REASON = 300
+_MIN_SWEEP_S = 0.1
+"""Seconds at least between two passes over a full connection pool."""
 
 
 def _capped(text: str) -> str:

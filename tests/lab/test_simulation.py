@@ -219,6 +219,39 @@ def test_a_node_closes_its_longest_idle_connections_past_max_connections() -> No
     assert run_virtual(main()) <= 3
 
 
+def test_a_full_pool_closes_connections_that_become_idle_later() -> None:
+    """Dialled in a burst, no connection is idle enough to close when the pool
+    overflows; the node closes the surplus once they have been idle ``min_idle_s``."""
+
+    async def main() -> tuple[int, int]:
+        net = SimNetwork()
+        link = LinkProfile.mbit(100, 100, 20)
+        hub = Node(
+            config=NodeConfig(host="10.0.1.1", max_connections=3, min_idle_s=1.0),
+            network=net.add_host("10.0.1.1", link),
+        )
+        await hub.start()
+        others = []
+        for i in range(6):
+            node = Node(
+                config=NodeConfig(host=f"10.0.2.{i}"), network=net.add_host(f"10.0.2.{i}", link)
+            )
+            await node.start()
+            node.handlers.add_unary("echo", _echo)
+            others.append(node)
+        await asyncio.gather(*(hub.call(node.address, "echo", None, b"") for node in others))
+        right_after = len(hub.connections())
+        await asyncio.sleep(2.0)  # virtual: idle for min_idle_s, then the closes' round trip
+        later = len(hub.connections())
+        for node in [hub, *others]:
+            await node.aclose()
+        return right_after, later
+
+    right_after, later = run_virtual(main())
+    assert right_after == 6  # none was idle yet: nothing closed
+    assert later <= 3
+
+
 def test_a_call_racing_an_idle_close_is_served_and_the_caller_closes_after() -> None:
     """The node closing an idle connection for room must serve a stream already in flight.
 
