@@ -319,6 +319,9 @@ class Matchmaker:
         self._leading: set[str] = set()
         # Set per key once a leader took us (its plan arrived, or we promised it).
         self._taken: dict[str, asyncio.Event] = {}
+        # Set per key when a candidate asks us to lead it while we gather: it
+        # read enough announcements to elect, so we read again at once.
+        self._asked_news: dict[str, asyncio.Event] = {}
         handlers = dht.node.handlers
         handlers.add_unary(READY_METHOD, self._on_ready)
         handlers.add_unary(PLAN_METHOD, self._on_plan)
@@ -367,6 +370,7 @@ class Matchmaker:
         waiter: asyncio.Future[GroupPlan | None] = loop.create_future()
         self._waiting[key] = waiter
         self._taken[key] = asyncio.Event()
+        self._asked_news[key] = asyncio.Event()
         self._asked[key] = {}
         self._forwarded[key] = {}
         try:
@@ -402,6 +406,7 @@ class Matchmaker:
             self._sealed.discard(key)
             self._leader.pop(key, None)
             self._taken.pop(key, None)
+            self._asked_news.pop(key, None)
             self._leading.discard(key)
 
     # -- steps ---------------------------------------------------------------------------
@@ -460,14 +465,24 @@ class Matchmaker:
         # what we would gather no longer matters (we neither elect nor lead),
         # so it ends a read in flight and a pause between reads.
         taken = self._taken.get(key) or asyncio.Event()
+        # Set when a candidate asks us to lead it: it has read enough to
+        # elect, so its announcements (and likely the others') are readable
+        # now. It ends the pause; the next poll would come up to a whole
+        # ``poll_interval`` later.
+        asked = self._asked_news.get(key) or asyncio.Event()
 
         async def read() -> list[_Candidate]:
+            asked.clear()
             found = await self._unless_taken(key, self._read(key))
             return self._with_known(key, {}) if found is None else found
 
         async def pause(seconds: float) -> None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(taken.wait(), seconds)
+            waits = [asyncio.ensure_future(e.wait()) for e in (taken, asked)]
+            try:
+                await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
 
         while due is not None and not due.is_set():
             candidates = await read()
@@ -778,6 +793,9 @@ class Matchmaker:
             asked = self._asked.get(key)
             if asker is not None and asked is not None and len(asked) < _MAX_ASKED:
                 asked[asker.peer_id] = asker
+                news = self._asked_news.get(key)
+                if news is not None:
+                    news.set()
             forwarded = self._forwarded.get(key)
             if asker is not None and forwarded is not None:
                 for follower, followed in _parse_followers(body.get("f")):

@@ -595,3 +595,25 @@ async def test_a_member_taken_while_it_asks_around_stops_asking(
     elapsed = await form_one_pair(leader, member, key, leader_expects=3)
     assert asking.is_set()  # the member was asking when the leader took it
     assert elapsed < 10.0
+
+
+async def test_a_gathering_leader_reads_again_as_soon_as_a_member_asks_it(
+    swarm: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member that read enough announcements asks the smallest candidate to
+    lead it; that candidate, still gathering, reads again at once instead of
+    at its next poll (a column's leader found its last group a whole poll
+    interval after its members had)."""
+    key = "run/step-asked"
+    leader, member = sorted(swarm[:2], key=lambda p: p.node.peer_id)
+    monkeypatch.setattr(leader.matchmaker, "config", replace(FAST, window=30.0, poll_interval=5.0))
+    loop = asyncio.get_running_loop()
+    leading = asyncio.ensure_future(leader.matchmaker.form_group(key, num_elements=100, expected=2))
+    await asyncio.sleep(0.5)  # the leader's first read is done: it saw only itself
+    started = loop.time()
+    plans = await asyncio.wait_for(
+        asyncio.gather(leading, member.matchmaker.form_group(key, num_elements=100, expected=2)),
+        timeout=20.0,
+    )
+    assert plans[0].round_id == plans[1].round_id and plans[0].size == 2
+    assert loop.time() - started < 2.5  # the leader's next poll was 4.5 s away
