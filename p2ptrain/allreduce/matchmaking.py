@@ -9,6 +9,8 @@ Theory of operation
    whether it computes).
 2. **Gather.** It re-reads the dictionary every ``poll_interval`` until the
    group is full (``target_group_size``) or ``window`` seconds have passed.
+   A candidate asking it to lead (step 3) has read enough to elect: it
+   reads again at once rather than at its next poll.
 3. **Elect.** The leader is the live candidate with the smallest PeerID among
    those that accept connections. A candidate asks each smaller candidate, in
    order, whether it is still matchmaking for this key (``mm.ready``); the
