@@ -17,7 +17,12 @@ anything itself; the networked node drives it::
 
 The lookup keeps a *shortlist* of candidates sorted by XOR distance to the
 target. It only ever queries candidates among the *k* closest known ones that
-have not failed, closest first, with at most ``alpha`` queries in flight.
+have not failed, closest first, with at most ``alpha`` queries in flight
+until ``alpha`` replies in a row brought no candidate closer than the closest
+known: the search has converged, and the rest of the *k* closest are asked
+at once (Kademlia's final round), instead of ``alpha`` at a time, each wave
+a round trip (a store's lookup on links busy with tensors took 3 s of its
+20 answers at three in flight).
 Every reply may add candidates; a failure removes the candidate for good
 (it is remembered, so a later reply naming it again is ignored). The lookup is
 done when the *k* closest remaining candidates have all answered, when no
@@ -172,6 +177,8 @@ class IterativeLookup(Generic[V]):
         self._addresses: dict[str, int] = {}
         self._fresh = 0
         self._in_flight = 0
+        # Replies in a row that named nobody closer than the closest known.
+        self._no_progress = 0
         self._queries = 0
         self._failures = 0
         self._values: list[tuple[Contact, V]] = []
@@ -190,6 +197,11 @@ class IterativeLookup(Generic[V]):
         return self._mode
 
     @property
+    def converged(self) -> bool:
+        """``alpha`` replies in a row found nobody closer: the rest of the k closest go at once."""
+        return self._no_progress >= self._config.alpha
+
+    @property
     def in_flight(self) -> int:
         """Queries handed out and not yet answered or failed."""
         return self._in_flight
@@ -205,9 +217,10 @@ class IterativeLookup(Generic[V]):
         """Contacts to query now; each is counted in flight until answered or failed.
 
         Returns an empty list when the lookup is done or ``alpha`` queries are
-        already in flight.
+        already in flight (*k* once it :attr:`converged`).
         """
-        slots = self._config.alpha - self._in_flight
+        width = self._k if self.converged else self._config.alpha
+        slots = width - self._in_flight
         if slots <= 0 or self.done:
             return []
         chosen: list[Contact] = []
@@ -244,9 +257,11 @@ class IterativeLookup(Generic[V]):
             candidate.has_value = True
             self._values.append((candidate.contact, value))
         depth = candidate.depth + 1
+        closest = self._distances[0]
         for named in itertools.islice(contacts, self._cap):
             self._consider(named, depth)
         self._trim()
+        self._no_progress = 0 if self._distances[0] < closest else self._no_progress + 1
 
     def on_failure(self, contact: Contact) -> None:
         """Report that a queried contact timed out, refused, or sent garbage.

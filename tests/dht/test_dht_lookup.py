@@ -76,7 +76,7 @@ class MemoryNetwork:
             fresh = lookup.next_queries()
             queries += len(fresh)
             pending += fresh
-            assert lookup.in_flight <= CONFIG.alpha
+            assert lookup.in_flight <= (CONFIG.k if lookup.converged else CONFIG.alpha)
             assert pending, "a lookup that is not done always has something in flight"
             answer(lookup, pending.pop(rng.randrange(len(pending))))
         return queries
@@ -318,6 +318,32 @@ def test_alpha_bounds_queries_in_flight() -> None:
     assert lookup.next_queries() == []
     lookup.on_response(first[0], [])
     assert [c.node_id for c in lookup.next_queries()] == [4]
+
+
+def test_once_alpha_replies_bring_nobody_closer_the_rest_of_the_k_closest_go_at_once() -> None:
+    contacts = [contact_of(n) for n in range(1, 30)]
+    lookup: IterativeLookup[bytes] = IterativeLookup(0, contacts, config=CONFIG)
+    first = lookup.next_queries()
+    assert [c.node_id for c in first] == [1, 2, 3]
+    lookup.on_response(first[0], [contact_of(40)])  # farther than the closest known
+    lookup.on_response(first[1], [])
+    assert not lookup.converged
+    assert [c.node_id for c in lookup.next_queries()] == [4, 5]  # still alpha in flight
+    lookup.on_response(first[2], [contact_of(41)])
+    assert lookup.converged
+    # k = 8: 1-3 answered, 4 and 5 in flight, 6-8 fresh among the 8 closest.
+    assert [c.node_id for c in lookup.next_queries()] == [6, 7, 8]
+
+
+def test_a_reply_naming_someone_closer_keeps_alpha_in_flight() -> None:
+    contacts = [contact_of(n) for n in range(4, 30)]
+    lookup: IterativeLookup[bytes] = IterativeLookup(0, contacts, config=CONFIG)
+    first = lookup.next_queries()
+    lookup.on_response(first[0], [])
+    lookup.on_response(first[1], [])
+    lookup.on_response(first[2], [contact_of(1)])  # closer than 4: progress
+    assert not lookup.converged
+    assert [c.node_id for c in lookup.next_queries()] == [1, 7, 8]
 
 
 def test_hops_count_the_longest_chain_of_referrals() -> None:

@@ -198,6 +198,13 @@ def test_hops_grow_logarithmically_not_linearly(figures: dict[int, Figures]) -> 
     assert large.mean_queries < 3 * K
 
 
+def test_a_lookup_waits_for_few_round_trips_beyond_its_hops(figures: dict[int, Figures]) -> None:
+    # Once the search converges the rest of the k closest are asked at once:
+    # at alpha at a time, collecting k answers took 7-8 sequential rounds.
+    for f in figures.values():
+        assert f.mean_rounds <= f.mean_hops + 1.5, f"N={f.n}: {f.mean_rounds} rounds"
+
+
 def test_steady_state_tables_are_well_formed() -> None:
     net = SteadyStateNetwork(2_000, seed=7)
     rng = random.Random(8)
