@@ -20,9 +20,9 @@ target. It only ever queries candidates among the *k* closest known ones that
 have not failed, closest first, with at most ``alpha`` queries in flight
 until ``alpha`` replies in a row brought no candidate closer than the closest
 known: the search has converged, and the rest of the *k* closest are asked
-at once (Kademlia's final round), instead of ``alpha`` at a time, each wave
-a round trip (a store's lookup on links busy with tensors took 3 s of its
-20 answers at three in flight).
+at once (Kademlia's final round) instead of ``alpha`` at a time, a round
+trip per wave (on simulated links busy with tensors, a store's lookup spent
+3 s collecting its 20 answers three at a time).
 Every reply may add candidates; a failure removes the candidate for good
 (it is remembered, so a later reply naming it again is ignored). The lookup is
 done when the *k* closest remaining candidates have all answered, when no
