@@ -188,23 +188,29 @@ def test_a_killed_host_resets_its_connections_and_refuses_new_ones() -> None:
     run_virtual(main())
 
 
+async def _hub_and_six_peers() -> tuple[Node, list[Node]]:
+    """A hub holding at most 3 connections (closable after 1 s idle) and six echo peers."""
+    net = SimNetwork()
+    link = LinkProfile.mbit(100, 100, 20)
+    hub = Node(
+        config=NodeConfig(host="10.0.1.1", max_connections=3, min_idle_s=1.0),
+        network=net.add_host("10.0.1.1", link),
+    )
+    await hub.start()
+    others = []
+    for i in range(6):
+        node = Node(
+            config=NodeConfig(host=f"10.0.2.{i}"), network=net.add_host(f"10.0.2.{i}", link)
+        )
+        await node.start()
+        node.handlers.add_unary("echo", _echo)
+        others.append(node)
+    return hub, others
+
+
 def test_a_node_closes_its_longest_idle_connections_past_max_connections() -> None:
     async def main() -> int:
-        net = SimNetwork()
-        link = LinkProfile.mbit(100, 100, 20)
-        hub = Node(
-            config=NodeConfig(host="10.0.1.1", max_connections=3, min_idle_s=1.0),
-            network=net.add_host("10.0.1.1", link),
-        )
-        await hub.start()
-        others = []
-        for i in range(6):
-            node = Node(
-                config=NodeConfig(host=f"10.0.2.{i}"), network=net.add_host(f"10.0.2.{i}", link)
-            )
-            await node.start()
-            node.handlers.add_unary("echo", _echo)
-            others.append(node)
+        hub, others = await _hub_and_six_peers()
         for node in others:
             await hub.call(node.address, "echo", None, b"")
             await asyncio.sleep(2.0)  # virtual: the earlier connections are idle by now
@@ -224,21 +230,7 @@ def test_a_full_pool_closes_connections_that_become_idle_later() -> None:
     overflows; the node closes the surplus once they have been idle ``min_idle_s``."""
 
     async def main() -> tuple[int, int]:
-        net = SimNetwork()
-        link = LinkProfile.mbit(100, 100, 20)
-        hub = Node(
-            config=NodeConfig(host="10.0.1.1", max_connections=3, min_idle_s=1.0),
-            network=net.add_host("10.0.1.1", link),
-        )
-        await hub.start()
-        others = []
-        for i in range(6):
-            node = Node(
-                config=NodeConfig(host=f"10.0.2.{i}"), network=net.add_host(f"10.0.2.{i}", link)
-            )
-            await node.start()
-            node.handlers.add_unary("echo", _echo)
-            others.append(node)
+        hub, others = await _hub_and_six_peers()
         await asyncio.gather(*(hub.call(node.address, "echo", None, b"") for node in others))
         right_after = len(hub.connections())
         await asyncio.sleep(2.0)  # virtual: idle for min_idle_s, then the closes' round trip
