@@ -607,9 +607,18 @@ async def test_a_gathering_leader_reads_again_as_soon_as_a_member_asks_it(
     key = "run/step-asked"
     leader, member = sorted(swarm[:2], key=lambda p: p.node.peer_id)
     monkeypatch.setattr(leader.matchmaker, "config", replace(FAST, window=30.0, poll_interval=5.0))
+    read = leader.matchmaker._read
+    first_read = asyncio.Event()
+
+    async def noted_read(key: str) -> list[object]:
+        found = await read(key)
+        first_read.set()
+        return found  # type: ignore[return-value]
+
+    monkeypatch.setattr(leader.matchmaker, "_read", noted_read)
     loop = asyncio.get_running_loop()
     leading = asyncio.ensure_future(leader.matchmaker.form_group(key, num_elements=100, expected=2))
-    await asyncio.sleep(0.5)  # the leader's first read is done: it saw only itself
+    await asyncio.wait_for(first_read.wait(), timeout=5.0)  # it saw only itself: it pauses 5 s
     started = loop.time()
     plans = await asyncio.wait_for(
         asyncio.gather(leading, member.matchmaker.form_group(key, num_elements=100, expected=2)),
