@@ -430,9 +430,9 @@ class Node:
         if self._sweep_pending or self._closing:
             return
         idle_since = [c.idle_since for c in open_ if c.idle_since is not None]
-        due = min(idle_since) + self.config.min_idle_s - now if idle_since else 0.0
         # A busy pool (every stream open) is looked at again after min_idle_s.
-        delay = max(due, self.config.min_idle_s if not idle_since else 0.0, _MIN_SWEEP_S)
+        due = min(idle_since) - now if idle_since else 0.0
+        delay = max(due + self.config.min_idle_s, _MIN_SWEEP_S)
         self._sweep_pending = True
         self._tasks.spawn(self._sweep_after(delay), name="node-pool-sweep")
 
