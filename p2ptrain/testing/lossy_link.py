@@ -23,7 +23,9 @@ Theory of operation:
   runs until SIGTERM/SIGINT and prints one JSON line of counters on exit.
 
 The process must run inside the network namespace that owns the tun device
-(``ip netns exec``); see :mod:`p2ptrain.testing.natlab.lab`.
+(``ip netns exec``); see :mod:`p2ptrain.testing.natlab.lab`. The labs prefer
+its compiled twin, ``natlab/tun_delay.c`` (:mod:`p2ptrain.testing.natlab.native_shim`):
+same settings and output, a fraction of the CPU per packet.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class LinkStats:
         lost: Packets dropped by the random loss.
         overflowed: Packets dropped because the queue was full.
         delivered: Packets written back to the tun device.
+        delivered_bytes: Their bytes.
         write_errors: Packets the kernel refused on write.
     """
 
@@ -107,6 +110,7 @@ class LinkStats:
     lost: int = 0
     overflowed: int = 0
     delivered: int = 0
+    delivered_bytes: int = 0
     write_errors: int = 0
 
 
@@ -202,6 +206,7 @@ async def run_link(fd: int, config: LinkConfig, stop: asyncio.Event) -> LinkStat
             stats.write_errors += 1
         else:
             stats.delivered += 1
+            stats.delivered_bytes += len(packet)
 
     def flush() -> None:
         nonlocal timer

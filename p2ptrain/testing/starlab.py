@@ -17,7 +17,8 @@ namespaces a crashed run left behind are removed on the next start.
 
 Latency (``delay_ms``): the kernel has no netem, so each host's outgoing
 packets to the lab subnet are routed through the NAT lab's user-space shim
-(:mod:`p2ptrain.testing.lossy_link`) on a tun device in the host's own
+(the compiled one where a C compiler is found, :mod:`p2ptrain.testing.natlab.native_shim`,
+else :mod:`p2ptrain.testing.lossy_link`) on a tun device in the host's own
 namespace, which holds them ``delay_ms`` and writes them back; they then
 leave through ``eth0`` and its tbf as before::
 
@@ -269,6 +270,13 @@ class StarLab:
         )
         run_cmd(["ip", "-n", name, "link", "set", "dev", "lo", "up"])
         return name
+
+    def shim_argvs(self) -> list[list[str]]:
+        """The command line of each running delay shim (compiled or Python)."""
+        return [
+            [str(arg) for arg in shim.args] if isinstance(shim.args, list) else [str(shim.args)]
+            for shim in self._shims
+        ]
 
     def close(self) -> None:
         """Kill what runs in the namespaces and delete them (hosts first, then the hub)."""

@@ -497,7 +497,8 @@ def test_teardown_leaves_nothing_even_after_an_error() -> None:
     assert not [name for name in list_netns() if name.startswith(lab.lab_id)]
     assert lab.lab_id not in run_cmd(["ip", "netns", "list"]).stdout
     stats = lab.shim_stats("x")
-    assert stats is not None and stats["delivered"] > 1000 and stats["lost"] == 0
+    # the compiled shim takes TCP segments of up to 64 KiB at once: count bytes
+    assert stats is not None and stats["delivered_bytes"] > 25 << 20 and stats["lost"] == 0
     assert not lab.workdir.exists()
 
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from p2ptrain.testing.natlab.native_shim import SHIM_ENV, native_shim
 from p2ptrain.testing.natlab.plugin import require_netns
 from p2ptrain.testing.starlab import LinkSpec, StarLab
 
@@ -54,9 +55,18 @@ def _exchange(lab: StarLab, nbytes: int) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_delay_shims_set_the_round_trip_and_links_can_be_reshaped() -> None:
+@pytest.mark.parametrize("shim", ["compiled", "python"])
+def test_delay_shims_set_the_round_trip_and_links_can_be_reshaped(
+    shim: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     require_netns()
+    if shim == "python":
+        monkeypatch.setenv(SHIM_ENV, "python")
+    elif native_shim() is None:
+        pytest.skip("no C compiler: the labs run the Python shim")
     with StarLab([LinkSpec(100, 100), LinkSpec(100, 100)], delay_ms=15) as lab:
+        python_shims = ["lossy_link" in " ".join(argv) for argv in lab.shim_argvs()]
+        assert python_shims == [shim == "python"] * 2
         first = _exchange(lab, 2_000_000)
         assert 0.029 <= first["rtt"] < 0.1  # 2 × 15 ms, plus the shims' scheduling
         lab.set_link(1, LinkSpec(10, 10))  # its download now 10 Mbit/s

@@ -1,4 +1,9 @@
-"""Wiring of the delay/loss shim (:mod:`p2ptrain.testing.lossy_link`) into the lab.
+"""Wiring of the delay/loss shim into the lab.
+
+The shim is the compiled ``tun_delay`` where a C compiler is found
+(:mod:`p2ptrain.testing.natlab.native_shim`), else the Python module
+:mod:`p2ptrain.testing.lossy_link`; both take the same settings and print the
+same JSON lines.
 
 A home's access link is impaired in the internet router namespace, where no
 NAT happens (so the NAT's conntrack never sees a packet twice). For a home
@@ -27,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from p2ptrain.testing.natlab.native_shim import native_shim
 from p2ptrain.testing.natlab.netns import NatLabError, netns_argv, python_env
 
 __all__ = ["ShimLink", "shim_route_commands", "start_shim", "stop_shim"]
@@ -35,6 +41,10 @@ _RULE_BACK_TO_HOME = 100
 _RULE_UPLOAD = 200
 _RULE_DOWNLOAD = 300
 _TXQUEUELEN = 4096
+_QUEUE_LIMIT = 10_000
+"""Packets a shim holds at most (the Python shim's default)."""
+_NICE = -10
+"""Niceness increment of a shim (the Python shim's default)."""
 
 
 @dataclass(frozen=True)
@@ -90,15 +100,7 @@ def start_shim(
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise NatLabError(f"{' '.join(command)}: {done.stderr.strip()}")
-    argv = [
-        sys.executable,
-        "-m",
-        "p2ptrain.testing.lossy_link",
-        f"--tun={link.tun}",
-        f"--delay-ms={link.delay_ms}",
-        f"--loss={link.loss}",
-        f"--seed={link.seed}",
-    ]
+    argv = _shim_argv(link)
     with open(log_dir / f"shim-{link.home}.log", "wb") as log:
         proc = subprocess.Popen(
             netns_argv(netns, argv),
@@ -126,6 +128,32 @@ def start_shim(
             raise NatLabError(f"shim for home {link.home} failed: {message['error']}")
     stop_shim(proc)
     raise NatLabError(f"shim for home {link.home} not ready within {timeout:.1f} s")
+
+
+def _shim_argv(link: ShimLink) -> list[str]:
+    """The compiled shim where one could be built, else the Python module."""
+    native = native_shim()
+    if native is not None:
+        return [
+            str(native),
+            link.tun,
+            str(link.delay_ms),
+            str(link.loss),
+            str(link.seed),
+            str(_QUEUE_LIMIT),
+            str(_NICE),
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "p2ptrain.testing.lossy_link",
+        f"--tun={link.tun}",
+        f"--delay-ms={link.delay_ms}",
+        f"--loss={link.loss}",
+        f"--seed={link.seed}",
+        f"--queue-limit={_QUEUE_LIMIT}",
+        f"--nice={_NICE}",
+    ]
 
 
 def stop_shim(proc: subprocess.Popen[str], *, timeout: float = 3.0) -> dict[str, int] | None:
