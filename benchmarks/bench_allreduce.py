@@ -308,8 +308,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--pacing",
-        action="store_true",
-        help="shaped part: kernel pacing of p2ptrain's round streams (pacing_headroom 1.25)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="shaped part: kernel pacing of p2ptrain's round streams (pacing_headroom 1.25;"
+        " AllReduceConfig's default is off: docs/allreduce.md, 'Kernel pacing')",
     )
     parser.add_argument(
         "--skip-adaptive", action="store_true", help="leave out the measured/throttle/RTT scenarios"
@@ -362,7 +364,9 @@ def _adaptive_report(h: dict[str, Any]) -> None:
             f"  {h['rtt_ms']:g} ms RTT, {row['mib']} MiB: {row['achieved_s']:.3f} s vs"
             f" {row['predicted_s']:.3f} s predicted ({row['achieved_s'] / row['predicted_s']:.2f}x;"
             f" without the latency term {row['predicted_without_latency_s']:.3f} s;"
-            " goal within 20 %)"
+            f" goal within 20 %; rounds {row['gap_s']:g} s apart);"
+            " back to back (warm connections, outside the latency term):"
+            f" {', '.join(f'{x:.3f}' for x in row['back_to_back_s'])} s"
         )
     print()
 

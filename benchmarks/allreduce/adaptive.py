@@ -26,12 +26,15 @@ Same eight peers and tbf links as ``allreduce/hetero.py``, in fresh star labs:
   measured by PINGs (the model turns it into a latency term,
   :func:`p2ptrain.allreduce.partition.latency_s`). Each peer is given its
   configured rates as typed-in rates (it does not probe here), which its
-  rounds' kernel pacing uses.
+  rounds' kernel pacing uses. Timed rounds start ``RTT_ROUND_GAP_S`` after
+  the previous one (connections idle past their retransmission timeout, as
+  between training steps); then as many rounds back to back, for reference.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -50,6 +53,14 @@ MiB = 1 << 20
 PROBE_SECONDS = 0.5
 """Seconds each direction of a peer's probe of all the others lasts."""
 ADAPT_TOLERANCE = 0.15
+RTT_ROUND_GAP_S = 1.0
+"""Idle seconds before each timed round of the RTT scenario.
+
+More than a retransmission timeout (Linux: at least 200 ms plus the round
+trip), so each round starts on connections that restart slow start from the
+initial window, as training's rounds do (a step apart) and as the latency
+term assumes. Rounds back to back keep their congestion windows: they are
+run after, for reference, outside the goal."""
 
 
 def _plan(peers: Sequence[PeerCapacity], vector_bytes: int) -> tuple[tuple[float, ...], float]:
@@ -303,18 +314,27 @@ def run_adaptive(
         for mib in rtt_sizes_mib:
             size = mib * MiB
             shares, pred = _plan(peers, size)
-            achieved = [
-                runner.round(f"rtt {mib} MiB {'warm-up' if a == 0 else a}", shares, pred, size // 4)
-                for a in range(1 + repeats)
-            ][1:]
+            achieved = []
+            for a in range(1 + repeats):
+                time.sleep(RTT_ROUND_GAP_S)
+                label = f"rtt {mib} MiB {'warm-up' if a == 0 else a}"
+                achieved.append(runner.round(label, shares, pred, size // 4))
+            drops = runner.drops[-repeats:]
+            back_to_back = [
+                runner.round(f"rtt {mib} MiB back to back {a + 1}", shares, pred, size // 4)
+                for a in range(repeats)
+            ]
             rows.append(
                 {
                     "mib": mib,
-                    "achieved_s": round(statistics.median(achieved), 4),
+                    "achieved_s": round(statistics.median(achieved[1:]), 4),
                     "predicted_s": round(pred, 4),
                     "predicted_without_latency_s": round(_plan(configured, size)[1], 4),
-                    "runs_s": [round(x, 4) for x in achieved],
-                    "drops": runner.drops[-repeats:],
+                    "runs_s": [round(x, 4) for x in achieved[1:]],
+                    "drops": drops,
+                    "gap_s": RTT_ROUND_GAP_S,
+                    "back_to_back_s": [round(x, 4) for x in back_to_back],
+                    "back_to_back_drops": runner.drops[-repeats:],
                 }
             )
     out["rtt_rows"] = rows

@@ -242,6 +242,7 @@ class ButterflyRound:
                 sends_parts=weight > 0,
                 upload_bytes_per_s=upload_bytes_per_s,
                 headroom=config.pacing_headroom,
+                element_bytes=_wire_element_bytes(config, plan.num_elements),
             )
         )
 
@@ -302,12 +303,18 @@ class ButterflyRound:
             stream.receive_payloads_into(None)  # no reference cycle keeps the round alive
             await stream.aclose()
 
-    @staticmethod
-    def _pace(stream: RPCStream, bytes_per_s: float | None) -> Callable[[], None]:
-        """Pace ``stream``'s connection at ``bytes_per_s`` more; returns the release."""
-        if bytes_per_s is None:
+    def _pace(self, stream: RPCStream, bytes_per_s: float | None) -> Callable[[], None]:
+        """Pace ``stream``'s connection at ``bytes_per_s`` more; returns the release.
+
+        Not where the round ends within the stream's slow start (see
+        :func:`~p2ptrain.allreduce.pacing.worth_pacing`).
+        """
+        if self._pacing is None:
             return _nothing
-        return stream.connection.pace(bytes_per_s)
+        rate = self._pacing.rate(bytes_per_s, stream.connection.rtt_s)
+        if rate is None:
+            return _nothing
+        return stream.connection.pace(rate)
 
     async def _open_stream(self, j: int) -> RPCStream:
         """A stream to reducer ``j``; a lost one is tried again until the reduce deadline.
@@ -754,6 +761,12 @@ class ButterflyRound:
                 t.timing() for t in [*self._results_in.values(), *self._parts_in.values()]
             ),
         )
+
+
+def _wire_element_bytes(config: AllReduceConfig, num_elements: int) -> float:
+    """Bytes one element of a part takes on the wire with the round's codec."""
+    codec = codec_for(config.codec, config.block_size)
+    return codec.compressed_nbytes(num_elements) / num_elements if num_elements else 4.0
 
 
 def _nothing() -> None:

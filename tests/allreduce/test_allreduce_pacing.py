@@ -18,7 +18,7 @@ from p2ptrain.allreduce import (
     GroupPlan,
     RoundObserver,
 )
-from p2ptrain.allreduce.pacing import pacing_rates
+from p2ptrain.allreduce.pacing import pacing_rates, worth_pacing
 from p2ptrain.errors import ConfigError
 from p2ptrain.measure import EstimatorConfig, LinkEstimator
 from p2ptrain.node.address import PeerAddress
@@ -31,22 +31,57 @@ UPLOAD = 4e8  # bytes/s: fast enough not to slow the test
 
 def test_streams_share_the_upload_in_proportion_to_their_bytes() -> None:
     plan = _plan_for(1000, shares=(0.75, 0.25, 0.0))
-    home = pacing_rates(plan, 2, sends_parts=True, upload_bytes_per_s=100.0, headroom=1.2)
+    home = pacing_rates(
+        plan, 2, sends_parts=True, upload_bytes_per_s=100.0, headroom=1.2, element_bytes=4.0
+    )
     assert home.parts == pytest.approx({0: 90.0, 1: 30.0})
     assert home.results == {}
     # A reducer: parts to the other reducer, and its averages to both others.
-    dc = pacing_rates(plan, 0, sends_parts=True, upload_bytes_per_s=100.0, headroom=1.0)
+    dc = pacing_rates(
+        plan, 0, sends_parts=True, upload_bytes_per_s=100.0, headroom=1.0, element_bytes=4.0
+    )
     total = 250 + 2 * 750
     assert dc.parts == pytest.approx({1: 100.0 * 250 / total})
     assert dc.results == pytest.approx({1: 100.0 * 750 / total, 2: 100.0 * 750 / total})
     assert sum(dc.parts.values()) + sum(dc.results.values()) == pytest.approx(100.0)
     # Weight 0 (no parts) and nothing to reduce: nothing is paced.
-    idle = pacing_rates(plan, 2, sends_parts=False, upload_bytes_per_s=100.0, headroom=1.2)
+    idle = pacing_rates(
+        plan, 2, sends_parts=False, upload_bytes_per_s=100.0, headroom=1.2, element_bytes=4.0
+    )
     assert idle.parts == {} and idle.results == {}
     with pytest.raises(ConfigError):
-        pacing_rates(plan, 2, sends_parts=True, upload_bytes_per_s=100.0, headroom=0.5)
+        pacing_rates(
+            plan, 2, sends_parts=True, upload_bytes_per_s=100.0, headroom=0.5, element_bytes=4.0
+        )
     with pytest.raises(ConfigError):
         AllReduceConfig(pacing_headroom=0.9)
+
+
+MBIT = 1e6 / 8  # bytes/s
+
+
+def test_a_round_that_ends_within_its_slow_start_goes_unpaced() -> None:
+    # A home's 50 Mbit/s uplink at 40 ms RTT: slow start takes about four round
+    # trips (0.17 s) to the window that rate needs; 1 MiB leaves in 0.17 s.
+    assert not worth_pacing((1 << 20) / (50 * MBIT), 50 * MBIT, 0.04)
+    assert worth_pacing((16 << 20) / (50 * MBIT), 50 * MBIT, 0.04)
+    # Without a measured round trip, or on a LAN, the stream is paced.
+    assert worth_pacing(0.01, 50 * MBIT, None)
+    assert worth_pacing(0.01, 50 * MBIT, 0.0002)
+
+
+def test_the_rates_know_how_long_the_members_upload_lasts() -> None:
+    plan = _plan_for(1000, shares=(0.75, 0.25, 0.0))
+    home = pacing_rates(
+        plan, 2, sends_parts=True, upload_bytes_per_s=100.0, headroom=1.2, element_bytes=4.0
+    )
+    assert home.upload_s == pytest.approx(1000 * 4.0 / 100.0)
+    assert home.rate(90.0, None) == 90.0
+    assert home.rate(None, 0.04) is None
+    # 40 s of upload against a ramp to 90 bytes/s at a 10 s round trip: paced;
+    # at a 1,000 s round trip the upload ends within the ramp: not.
+    assert home.rate(90.0, 10.0) == 90.0
+    assert home.rate(90.0, 1000.0) is None
 
 
 class _Watch(RoundObserver):
