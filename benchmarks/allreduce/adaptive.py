@@ -45,6 +45,7 @@ from benchmarks.allreduce.runner import PeerGroup, run_round
 from benchmarks.allreduce.systems import p2ptrain_plan, p2ptrain_prepares, start_p2ptrain
 from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
+from p2ptrain.measure import payload_rate
 from p2ptrain.testing.natlab.netns import python_env
 
 __all__ = ["run_adaptive"]
@@ -230,8 +231,8 @@ def run_adaptive(
         new_rates = list(configured)
         new_rates[0] = replace(
             configured[0],
-            upload_bytes_per_s=slow.upload_bytes_per_s,
-            download_bytes_per_s=slow.download_bytes_per_s,
+            upload_bytes_per_s=payload_rate(slow.upload_bytes_per_s),
+            download_bytes_per_s=payload_rate(slow.download_bytes_per_s),
         )
         new_shares, throttle_predicted = _plan(new_rates, vector_bytes)
         rounds: list[dict[str, float]] = []
@@ -305,7 +306,7 @@ def run_adaptive(
         group.request(
             [
                 {"cmd": "cap", "upload": c.upload_bytes_per_s, "download": c.download_bytes_per_s}
-                for c in configured
+                for c in (peer.link_capacity() for peer in scenario)
             ],
             timeout=timeout,
         )

@@ -22,7 +22,9 @@ predicted speedup is the largest possible with slow peers binding,
 brief suggested (1000, six × 100, a client with 50 Mbit/s upload) predicts no
 gain at all: there the client's own upload binds both plans.
 
-The LP is fed the configured tbf rates in bytes/s. What p2ptrain's own
+The LP is fed the configured tbf rates as peers that typed them in announce
+them: the TCP payload they carry (``p2ptrain.measure.payload_rate``, 1448 of
+every 1514 bytes). What p2ptrain's own
 ``ThroughputMeter`` records from the round reports is shown next to them, as
 the input a swarm would use instead, with the plan the LP would make of it.
 
@@ -64,14 +66,13 @@ from p2ptrain.allreduce import ThroughputMeter
 from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
 from p2ptrain.allreduce.partition import equal_shares, evaluate_round_time
+from p2ptrain.measure import payload_rate
 from p2ptrain.testing.natlab.netns import python_env
 
 __all__ = ["SCENARIO", "HeteroPeer", "HeteroResult", "Prediction", "predict", "run_hetero"]
 
 GLOO_PORT = 29500
 """Port of gloo's TCP store on rank 0's namespace (a fresh namespace: always free)."""
-TCP_GOODPUT = 1448 / 1514
-"""TCP payload per Ethernet frame that tbf counts (MSS 1448 with timestamps, 1514-byte frames)."""
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,20 @@ class HeteroPeer:
     link: LinkSpec
     client: bool = False
 
-    def capacity(self, scale: float = 1.0) -> PeerCapacity:
-        """What the load balancer is told: the tbf rates (times ``scale``) in bytes/s."""
+    def capacity(self) -> PeerCapacity:
+        """What the load balancer is told: the tbf rates as a peer that typed them in
+        announces them, the TCP payload they carry (:func:`~p2ptrain.measure.payload_rate`)."""
         return PeerCapacity(
-            upload_bytes_per_s=self.link.upload_bytes_per_s * scale,
-            download_bytes_per_s=self.link.download_bytes_per_s * scale,
+            upload_bytes_per_s=payload_rate(self.link.upload_bytes_per_s),
+            download_bytes_per_s=payload_rate(self.link.download_bytes_per_s),
+            client_mode=self.client,
+        )
+
+    def link_capacity(self) -> PeerCapacity:
+        """The tbf rates themselves (frame bytes/s): what a peer types in."""
+        return PeerCapacity(
+            upload_bytes_per_s=self.link.upload_bytes_per_s,
+            download_bytes_per_s=self.link.download_bytes_per_s,
             client_mode=self.client,
         )
 
@@ -108,9 +118,9 @@ class Prediction:
     lp_s: float
     equal_s: float
     gloo_ring_s: float
-    lp_goodput_s: float
-    """The LP plan's time at TCP goodput through tbf (rates × :data:`TCP_GOODPUT`)."""
-    equal_goodput_s: float
+    lp_link_rates_s: float
+    """The LP plan's time with the tbf rates taken as payload rates (headers ignored)."""
+    equal_link_rates_s: float
     lp_fluid_s: float
     """The LP's own (fluid) time for its plan; ``lp_s`` is its fair-share time."""
 
@@ -125,7 +135,7 @@ def predict(scenario: Sequence[HeteroPeer], vector_bytes: int) -> Prediction:
     peers = [peer.capacity() for peer in scenario]
     plan = LoadBalancer().plan(peers, vector_bytes=vector_bytes, target_batch_size=1)
     equal = tuple(equal_shares(peers))
-    goodput = [peer.capacity(TCP_GOODPUT) for peer in scenario]
+    link_rates = [peer.link_capacity() for peer in scenario]
     n = len(scenario)
     slowest = min(min(p.upload_bytes_per_s, p.download_bytes_per_s) for p in peers)
     return Prediction(
@@ -134,8 +144,8 @@ def predict(scenario: Sequence[HeteroPeer], vector_bytes: int) -> Prediction:
         lp_s=fair_share_round_time(plan.shares, peers, vector_bytes),
         equal_s=fair_share_round_time(equal, peers, vector_bytes),
         gloo_ring_s=2 * (n - 1) / n * vector_bytes / slowest,
-        lp_goodput_s=fair_share_round_time(plan.shares, goodput, vector_bytes),
-        equal_goodput_s=fair_share_round_time(equal, goodput, vector_bytes),
+        lp_link_rates_s=fair_share_round_time(plan.shares, link_rates, vector_bytes),
+        equal_link_rates_s=fair_share_round_time(equal, link_rates, vector_bytes),
         lp_fluid_s=plan.round_time_s,
     )
 

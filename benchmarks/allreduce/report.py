@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.allreduce.hetero import TCP_GOODPUT, HeteroResult
+from benchmarks.allreduce.hetero import HeteroResult
 from benchmarks.allreduce.profile import summarize
 from benchmarks.allreduce.runner import Round
 from benchmarks.harness import format_table, uvloop_available
+from p2ptrain.measure import TCP_PAYLOAD_FRACTION
 
 __all__ = [
     "GLOO_GOAL",
@@ -188,13 +189,13 @@ def hetero_report(args: argparse.Namespace, hetero: HeteroResult) -> dict[str, A
     """Print the heterogeneous-bandwidth tables; return the JSON ``hetero`` object."""
     pred = hetero.prediction
     plans = {
-        "lp": ("p2ptrain, LP shares", hetero.lp, pred.lp_s, pred.lp_goodput_s),
-        "equal": ("p2ptrain, equal shares", hetero.equal, pred.equal_s, pred.equal_goodput_s),
+        "lp": ("p2ptrain, LP shares", hetero.lp, pred.lp_s, pred.lp_link_rates_s),
+        "equal": ("p2ptrain, equal shares", hetero.equal, pred.equal_s, pred.equal_link_rates_s),
         "gloo": (
             "gloo ring (client = a rank)",
             hetero.gloo,
             pred.gloo_ring_s,
-            pred.gloo_ring_s / TCP_GOODPUT,
+            pred.gloo_ring_s * TCP_PAYLOAD_FRACTION,
         ),
     }
     achieved = {
@@ -230,19 +231,19 @@ def hetero_report(args: argparse.Namespace, hetero: HeteroResult) -> dict[str, A
         print(format_table([*headers, "LP share from meter"], peer_rows))
         print()
         rows: list[list[object]] = []
-        for key, (label, rounds, predicted, goodput) in plans.items():
+        for key, (label, rounds, predicted, at_link_rates) in plans.items():
             rows.append(
                 [
                     label,
                     round(predicted, 3),
-                    round(goodput, 3),
+                    round(at_link_rates, 3),
                     f"{wire[key]:.3f} ({busiest[key]})",
                     round(achieved[key], 3),
                     round(achieved[key] / predicted, 3),
                     _runs(rounds),
                 ]
             )
-        headers = ["plan", "predicted s", "at TCP goodput", "busiest link on the wire s"]
+        headers = ["plan", "predicted s", "at the links' rates", "busiest link on the wire s"]
         print(format_table([*headers, "achieved s", "achieved/pred.", "runs"], rows))
         fraction = speedup / predicted_speedup
         print(
@@ -252,13 +253,15 @@ def hetero_report(args: argparse.Namespace, hetero: HeteroResult) -> dict[str, A
             f"(goal >= {SPEEDUP_GOAL:.0%}: {_verdict(speedup_met)}); gloo/LP {gloo_s / lp_s:.2f}x"
         )
         print(
-            f"Where the LP round's time goes: frames, headers and ACKs make the busiest link carry "
-            f"{wire['lp'] / pred.lp_s - 1:+.1%} over the model's bytes; that link then stands "
-            f"idle {achieved['lp'] / wire['lp'] - 1:+.1%} of its wire time (start skew, the last "
-            f"chunk's average travelling back, scheduling on a loaded machine)."
+            "Where the LP round's time goes: frames, headers and ACKs make the busiest link"
+            f" carry {wire['lp'] / pred.lp_link_rates_s - 1:+.1%} over the tensor bytes; that"
+            f" link then stands idle {achieved['lp'] / wire['lp'] - 1:+.1%} of its wire time"
+            " (start skew, the last chunk's average travelling back, scheduling on a loaded"
+            " machine)."
         )
         print(
-            "The LP was fed the configured tbf rates (bytes/s). Fed p2ptrain's ThroughputMeter "
+            "The LP was fed the configured tbf rates as typed-in rates (the TCP payload they"
+            " carry: 1448 of 1514 bytes). Fed p2ptrain's ThroughputMeter "
             f"instead (columns 'meter'), it would choose the last column's shares: "
             f"{meter_real_s:.3f} s on these links. The meter's upload is bytes handed to the "
             "kernel over the time it took, so socket buffers inflate it on slow links."
@@ -283,7 +286,7 @@ def hetero_report(args: argparse.Namespace, hetero: HeteroResult) -> dict[str, A
             "vector_bytes": hetero.vector_bytes,
             "chunk_bytes": hetero.chunk_bytes,
             "shaping": "tc tbf per host: upload on its veth, download on its bridge port; cubic",
-            "lp_input": "configured tbf rates in bytes/s",
+            "lp_input": "configured tbf rates as typed in: their TCP payload (x 1448/1514)",
             "gloo_note": "gloo has no client mode: the client-mode peer is an ordinary ring rank",
         },
         "lp_s": round(lp_s, 4),
@@ -293,8 +296,8 @@ def hetero_report(args: argparse.Namespace, hetero: HeteroResult) -> dict[str, A
         "predicted_equal_s": round(pred.equal_s, 4),
         "gloo_s": round(gloo_s, 4),
         "gloo_ring_model_s": round(pred.gloo_ring_s, 4),
-        "predicted_goodput_s": round(pred.lp_goodput_s, 4),
-        "predicted_equal_goodput_s": round(pred.equal_goodput_s, 4),
+        "predicted_link_rates_s": round(pred.lp_link_rates_s, 4),
+        "predicted_equal_link_rates_s": round(pred.equal_link_rates_s, 4),
         "wire_limited_s": {k: round(v, 4) for k, v in wire.items()},
         "speedup": round(speedup, 3),
         "predicted_speedup": round(predicted_speedup, 3),

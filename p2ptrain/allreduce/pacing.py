@@ -25,8 +25,8 @@ only costs: paced slow starts send evenly spaced ACK trains, which make
 CUBIC's HyStart leave slow start early and lower the slow-start threshold
 that the next round's restart after idle keeps. Measured in the 40 ms star
 lab, eight peers, rounds 1 s apart: 1 MiB paced 0.47–0.81 s and growing
-from round to round, unpaced 0.49–0.52 s (predicted 0.51 s); 16 MiB paced
-3.00–3.02 s, unpaced 3.2–6.2 s (predicted 3.02 s: the homes' two streams,
+from round to round, unpaced 0.49–0.55 s (predicted 0.50–0.52 s); 16 MiB
+paced 2.99–3.06 s, unpaced 3.2–6.2 s (predicted 3.02 s: the homes' two streams,
 split evenly by TCP instead of 78/22, then lose packets and win back the
 link slowly at that RTT).
 """

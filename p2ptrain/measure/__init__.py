@@ -15,15 +15,18 @@ what they timed); nothing here imports them.
 """
 
 from p2ptrain.measure.estimates import (
+    TCP_PAYLOAD_FRACTION,
     ArrivalTimer,
     EstimatorConfig,
     LinkEstimator,
     StreamTiming,
     combined_rate,
+    payload_rate,
 )
 from p2ptrain.measure.meters import ThroughputConfig, ThroughputMeter
 
 __all__ = [
+    "TCP_PAYLOAD_FRACTION",
     "ArrivalTimer",
     "EstimatorConfig",
     "LinkEstimator",
@@ -31,4 +34,5 @@ __all__ = [
     "ThroughputConfig",
     "ThroughputMeter",
     "combined_rate",
+    "payload_rate",
 ]

@@ -43,7 +43,30 @@ from dataclasses import dataclass
 
 from p2ptrain.errors import ConfigError
 
-__all__ = ["ArrivalTimer", "EstimatorConfig", "LinkEstimator", "StreamTiming", "combined_rate"]
+__all__ = [
+    "TCP_PAYLOAD_FRACTION",
+    "ArrivalTimer",
+    "EstimatorConfig",
+    "LinkEstimator",
+    "StreamTiming",
+    "combined_rate",
+    "payload_rate",
+]
+
+TCP_PAYLOAD_FRACTION = 1448 / 1514
+"""TCP payload per byte on an Ethernet link, full-size segments with timestamps.
+
+A segment carries 1,448 payload bytes in a 1,514-byte frame (Ethernet,
+IPv4 and TCP headers with the timestamp option). A link's rate (what a user
+types, what tc's shapers count) is in frame bytes; every rate measured here
+is payload: a typed-in rate is converted with this before it stands beside
+them. The tbf-shaped benchmark links carry payload at this fraction of
+their rate."""
+
+
+def payload_rate(link_bytes_per_s: float) -> float:
+    """The TCP payload rate a link of ``link_bytes_per_s`` (frame bytes) carries at most."""
+    return link_bytes_per_s * TCP_PAYLOAD_FRACTION
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +179,10 @@ class EstimatorConfig:
         late_tolerance: A round whose achieved time exceeded its predicted
             time by more than this fraction replaces higher estimates with
             what it observed; >= 0.
-        upload_cap_bytes_per_s: A typed-in upload rate: the estimate never
-            exceeds it, and it stands in until something was measured.
+        upload_cap_bytes_per_s: A typed-in upload rate, the link's (frame
+            bytes, as a user or a shaper states it): the estimate never
+            exceeds the payload it carries (:func:`payload_rate`), which
+            stands in until something was measured.
         download_cap_bytes_per_s: The same for download.
     """
 
@@ -325,7 +350,8 @@ class LinkEstimator:
         return self._upload.observations, self._download.observations
 
 
-def _capped(value: float | None, cap: float | None) -> float | None:
+def _capped(value: float | None, link_cap: float | None) -> float | None:
+    cap = None if link_cap is None else payload_rate(link_cap)
     if value is None:
         return cap
     return value if cap is None else min(value, cap)

@@ -20,7 +20,7 @@ from p2ptrain.allreduce import (
 )
 from p2ptrain.allreduce.pacing import pacing_rates, worth_pacing
 from p2ptrain.errors import ConfigError
-from p2ptrain.measure import EstimatorConfig, LinkEstimator
+from p2ptrain.measure import EstimatorConfig, LinkEstimator, payload_rate
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.node import Node
 from p2ptrain.secure.identity import Identity
@@ -122,9 +122,10 @@ async def test_a_round_paces_its_connections_and_lifts_the_cap_after(
     if headroom is None:
         assert watch.seen == {0: {None}, 1: {None}}
     else:  # member 2 reduces nothing: its two connections carry its parts only
+        capacity = payload_rate(UPLOAD)  # the typed-in link rate's payload
         assert watch.seen == {
-            0: {round(headroom * UPLOAD * 0.75)},
-            1: {round(headroom * UPLOAD * 0.25)},
+            0: {round(headroom * capacity * 0.75)},
+            1: {round(headroom * capacity * 0.25)},
         }
     for node in nodes:  # after the round nothing is paced
         for conn in node.connections():

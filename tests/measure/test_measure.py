@@ -15,7 +15,7 @@ from p2ptrain.allreduce import AllReduceService
 from p2ptrain.allreduce.protocol import ResultHeader, TimingAck, parse_result, parse_timing
 from p2ptrain.errors import ConfigError, InvalidArgumentError, RemoteProtocolError
 from p2ptrain.measure import ArrivalTimer, EstimatorConfig, LinkEstimator, StreamTiming
-from p2ptrain.measure.estimates import combined_rate
+from p2ptrain.measure.estimates import combined_rate, payload_rate
 from p2ptrain.measure.latency import known_rtts, measure_rtts
 from p2ptrain.measure.probe import MAX_PROBE_SECONDS, PROBE_METHOD, probe_peers, serve_probes
 
@@ -126,19 +126,23 @@ def test_the_upload_capacity_comes_from_probes_and_typed_in_rates_not_rounds() -
     links.observe_probe([StreamTiming(10 * MB, 1.0)], [])
     assert links.upload_capacity_bytes_per_s == 10 * MB  # the latest probe, not the largest
     capped = LinkEstimator(EstimatorConfig(upload_cap_bytes_per_s=5 * MB, min_bytes=0))
-    assert capped.upload_capacity_bytes_per_s == 5 * MB
+    assert capped.upload_capacity_bytes_per_s == payload_rate(5 * MB)
     capped.observe_probe([StreamTiming(9 * MB, 1.0)], [])
-    assert capped.upload_capacity_bytes_per_s == 5 * MB
+    assert capped.upload_capacity_bytes_per_s == payload_rate(5 * MB)
 
 
 def test_a_typed_in_rate_is_a_cap_and_a_stand_in() -> None:
+    # Typed in: the link's rate. Announced: the TCP payload it carries.
+    payload = 5 * MB * 1448 / 1514
+    assert payload_rate(5 * MB) == pytest.approx(payload)
     links = LinkEstimator(EstimatorConfig(upload_cap_bytes_per_s=5 * MB, min_bytes=0))
-    assert links.upload_bytes_per_s == 5 * MB  # nothing measured yet
+    assert links.upload_bytes_per_s == pytest.approx(payload)  # nothing measured yet
     assert links.download_bytes_per_s is None
     links.record_upload(2 * MB, 1.0)
     assert links.upload_bytes_per_s == 2 * MB  # measured below the cap: measured
     links.record_upload(50 * MB, 1.0)
-    assert links.upload_bytes_per_s == 5 * MB and links.measured_upload_bytes_per_s == 50 * MB
+    assert links.upload_bytes_per_s == pytest.approx(payload)
+    assert links.measured_upload_bytes_per_s == 50 * MB
 
 
 @pytest.mark.parametrize(

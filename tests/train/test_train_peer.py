@@ -19,6 +19,7 @@ from p2ptrain.allreduce.config import AllReduceConfig
 from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError, LookupFailedError, RunMismatchError
+from p2ptrain.measure import payload_rate
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.peer import Peer, PeerConfig
 from p2ptrain.train.averaging import SwarmAverager
@@ -85,7 +86,7 @@ def test_a_new_peer_probes_its_links_against_an_initial_peer() -> None:
             assert second.throughput.download_bytes_per_s is not None, "the probe measured nothing"
             # loopback moves far more than the 12.5 MB/s guessed before any measurement
             assert second.capacity().download_bytes_per_s > 50e6
-            assert second.capacity().upload_bytes_per_s == 1e6
+            assert second.capacity().upload_bytes_per_s == payload_rate(1e6)  # the link's payload
         assert first.throughput.download_bytes_per_s is None  # probe_seconds=None: it never probed
 
 
