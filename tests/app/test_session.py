@@ -20,6 +20,7 @@ from p2ptrain.app.cli import main
 from p2ptrain.app.status import format_status
 from p2ptrain.app.train import TrainingSessionConfig, shard_of
 from p2ptrain.errors import ConfigError
+from p2ptrain.measure import payload_rate
 from p2ptrain.secure.identity import Identity
 from p2ptrain.train.progress import PeerProgress
 
@@ -83,8 +84,10 @@ def test_two_peers_train_and_status_lists_them(procs: list[ChildLines]) -> None:
         samples, target = rows[peer_id][-2].split("/")  # the step samples/target column
         assert target == "128" and 0 < int(samples) <= 160, status.stdout
         assert rows[peer_id][1] == "direct"
-    # up/down MB/s: the rates the first peer announced (50 and 100 Mbit/s)
-    assert rows[events[0]["peer_id"]][4] == "6.2/12.5", status.stdout
+    # up/down MB/s: the rates the first peer announced, the TCP payload of the
+    # 50 and 100 Mbit/s it typed in
+    up, down = payload_rate(50e6 / 8) / 1e6, payload_rate(100e6 / 8) / 1e6
+    assert rows[events[0]["peer_id"]][4] == f"{up:.1f}/{down:.1f}" == "6.0/12.0", status.stdout
 
 
 @pytest.mark.parametrize("command", ["train", "status"])
