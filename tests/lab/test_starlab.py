@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from p2ptrain.testing.natlab.native_shim import SHIM_ENV, native_shim
+from p2ptrain.testing.natlab.native_shim import SHIM_ENV, _build, native_shim
 from p2ptrain.testing.natlab.plugin import require_netns
 from p2ptrain.testing.starlab import LinkSpec, StarLab
 
@@ -74,3 +75,19 @@ def test_delay_shims_set_the_round_trip_and_links_can_be_reshaped(
         second = _exchange(lab, 2_000_000)
         # 2 MB at 10 Mbit/s takes at least 1.6 s; at 100 Mbit/s it took far less.
         assert second["bulk_s"] >= 1.5 > first["bulk_s"]
+
+
+def test_the_shim_is_python_when_asked_or_when_it_cannot_be_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SHIM_ENV, "python")
+    assert native_shim() is None
+    monkeypatch.delenv(SHIM_ENV)
+    not_a_directory = tmp_path / "cache"
+    not_a_directory.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_directory))
+    _build.cache_clear()
+    try:
+        assert native_shim() is None  # no cache directory to build into: the Python shim
+    finally:
+        _build.cache_clear()

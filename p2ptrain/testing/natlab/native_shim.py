@@ -6,19 +6,21 @@ per packet; eight of them in a star lab at 40 ms RTT took over half of a
 partly the emulator. ``tun_delay.c`` does the same job (same arguments, same
 JSON lines, same counters) at the cost of a read and a write per packet.
 
-It is compiled once per source version into the temporary directory and
-reused; with no compiler, or ``P2PTRAIN_SHIM=python`` in the environment,
-the labs run the Python shim instead.
+It is compiled once per source version into the user's cache directory
+(``$XDG_CACHE_HOME/p2ptrain`` or ``~/.cache/p2ptrain``; not a shared
+temporary directory, since the labs run it as root) and reused; with no
+compiler, or ``P2PTRAIN_SHIM=python`` in the environment, the labs run the
+Python shim instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -44,20 +46,26 @@ def _build() -> Path | None:
     if compiler is None or not _SOURCE.is_file():
         return None
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-    target = Path(tempfile.gettempdir()) / "p2ptrain-shim" / f"tun_delay-{digest}"
-    if target.is_file():
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "p2ptrain"
+    target = cache / f"tun_delay-{digest}"
+    if target.is_file() and target.stat().st_uid == os.getuid():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{os.getpid()}")
-    done = subprocess.run(
-        [compiler, "-O2", "-std=c11", "-o", str(partial), str(_SOURCE)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        log.warning("tun_delay.c did not compile, using the Python shim: %s", done.stderr.strip())
-        partial.unlink(missing_ok=True)
-        return None
-    partial.replace(target)  # atomic: concurrent builders leave one complete binary
-    return target
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            [compiler, "-O2", "-std=c11", "-o", str(partial), str(_SOURCE)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode == 0:
+            partial.replace(target)  # atomic: concurrent builders leave one complete binary
+            return target
+        reason = done.stderr.strip()
+    except OSError as exc:  # no writable cache directory
+        reason = str(exc)
+    log.warning("tun_delay.c not built, using the Python shim: %s", reason)
+    with contextlib.suppress(OSError):  # nothing was written, or no directory to hold it
+        partial.unlink()
+    return None
