@@ -45,7 +45,6 @@ from benchmarks.allreduce.runner import PeerGroup, run_round
 from benchmarks.allreduce.systems import p2ptrain_plan, p2ptrain_prepares, start_p2ptrain
 from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
-from p2ptrain.measure import payload_rate
 from p2ptrain.testing.natlab.netns import python_env
 
 __all__ = ["run_adaptive"]
@@ -229,11 +228,7 @@ def run_adaptive(
         # -- throttle: dc 1000 -> 100 Mbit/s after round ``throttle_after`` --------------------
         slow = LinkSpec(100, 100)
         new_rates = list(configured)
-        new_rates[0] = replace(
-            configured[0],
-            upload_bytes_per_s=payload_rate(slow.upload_bytes_per_s),
-            download_bytes_per_s=payload_rate(slow.download_bytes_per_s),
-        )
+        new_rates[0] = replace(scenario[0], link=slow).capacity()
         new_shares, throttle_predicted = _plan(new_rates, vector_bytes)
         rounds: list[dict[str, float]] = []
         for r in range(1, throttle_rounds + 1):

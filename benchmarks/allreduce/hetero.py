@@ -50,7 +50,7 @@ the ring model predicts ``2(n−1)/n · V / min_i min(u_i, d_i)``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks.allreduce.netlab import LinkSpec, StarLab
@@ -86,10 +86,11 @@ class HeteroPeer:
     def capacity(self) -> PeerCapacity:
         """What the load balancer is told: the tbf rates as a peer that typed them in
         announces them, the TCP payload they carry (:func:`~p2ptrain.measure.payload_rate`)."""
-        return PeerCapacity(
-            upload_bytes_per_s=payload_rate(self.link.upload_bytes_per_s),
-            download_bytes_per_s=payload_rate(self.link.download_bytes_per_s),
-            client_mode=self.client,
+        link = self.link_capacity()
+        return replace(
+            link,
+            upload_bytes_per_s=payload_rate(link.upload_bytes_per_s),
+            download_bytes_per_s=payload_rate(link.download_bytes_per_s),
         )
 
     def link_capacity(self) -> PeerCapacity:

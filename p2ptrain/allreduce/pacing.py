@@ -33,11 +33,10 @@ link slowly at that RTT).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from p2ptrain.allreduce.group import GroupPlan
-from p2ptrain.allreduce.partition import INITIAL_WINDOW_BYTES
+from p2ptrain.allreduce.partition import slow_start_s
 from p2ptrain.validate import check_number
 
 __all__ = ["RAMPS_TO_PACE", "PacingRates", "pacing_rates", "worth_pacing"]
@@ -77,9 +76,7 @@ def worth_pacing(upload_s: float, bytes_per_s: float, rtt_s: float | None) -> bo
     """
     if rtt_s is None or rtt_s <= 0.0:
         return True
-    window = bytes_per_s * rtt_s
-    ramp_s = rtt_s * math.log2(max(window / INITIAL_WINDOW_BYTES, 1.0))
-    return upload_s >= RAMPS_TO_PACE * ramp_s
+    return upload_s >= RAMPS_TO_PACE * slow_start_s(rtt_s, bytes_per_s * rtt_s)
 
 
 def pacing_rates(

@@ -67,6 +67,7 @@ __all__ = [
     "evaluate_round_time",
     "latency_s",
     "shares_to_boundaries",
+    "slow_start_s",
     "traffic_coefficients",
     "transfer_times",
 ]
@@ -184,9 +185,17 @@ def latency_s(rtt_s: float, slowest_bytes_per_s: float, vector_bytes: float) -> 
     if rtt_s <= 0:
         return 0.0
     window = min(vector_bytes, slowest_bytes_per_s * rtt_s)
-    ramp = rtt_s * math.log2(max(window / INITIAL_WINDOW_BYTES, 1.0))
-    ramp -= window / slowest_bytes_per_s
+    ramp = slow_start_s(rtt_s, window) - window / slowest_bytes_per_s
     return ROUND_PHASES * (rtt_s + max(ramp, 0.0))
+
+
+def slow_start_s(rtt_s: float, window_bytes: float) -> float:
+    """Seconds slow start takes from :data:`INITIAL_WINDOW_BYTES` to ``window_bytes``.
+
+    ``RTT·log2(window / W0)``: the window doubles once per round trip (0 when
+    the initial window already holds it).
+    """
+    return rtt_s * math.log2(max(window_bytes / INITIAL_WINDOW_BYTES, 1.0))
 
 
 def _check_peers(peers: Sequence[PeerCapacity]) -> None:
