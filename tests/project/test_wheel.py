@@ -1,10 +1,15 @@
 """A wheel installed into a fresh virtual environment runs the demo from any directory.
 
 The wheel is built from this checkout and installed without ``-e`` into a
-new venv (it reuses the system's torch, aiortc, ... through
-``--system-site-packages``; p2ptrain itself comes only from the wheel). The
-demo then runs from an empty directory, where the repository is not on
-``sys.path``: the default task and its data must ship inside the package.
+new venv. That venv reuses torch, aiortc, ... of the environment the tests run
+in (a ``.pth`` file naming its site-packages), never the base interpreter's:
+``--system-site-packages`` would borrow the base interpreter's packages, which
+a fresh machine does not have. p2ptrain itself comes only from the wheel (the
+running environment's editable-install hook is a ``.pth`` file in its
+site-packages, and ``.pth`` files of a directory named by another ``.pth``
+file are not processed). The demo then runs from an empty directory, where
+the repository is not on ``sys.path``: the default task and its data must
+ship inside the package.
 """
 
 from __future__ import annotations
@@ -13,12 +18,19 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Imported by the demo; each must resolve inside the running environment.
+_DEPENDENCIES = ("torch", "msgpack", "aiortc", "cvxpy", "numpy", "cryptography", "matplotlib")
+_PRINT_DEPENDENCY_ORIGINS = (
+    "import importlib, sys\n"
+    "for name in sys.argv[1:]: print(importlib.import_module(name).__file__)"
+)
 _NOT_SOURCE = (".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "runs")
 
 
@@ -44,6 +56,18 @@ def _builder() -> list[str]:
         if python and subprocess.run([python, "-c", probe], check=False).returncode == 0:
             return [python, "-m", "pip", "wheel", "--no-build-isolation"]
     return [sys.executable, "-m", "pip", "wheel"]
+
+
+def _borrow_running_environment(venv: Path) -> list[str]:
+    """Let ``venv`` import the running environment's packages (not the base interpreter's).
+
+    Returns the directories it now borrows.
+    """
+    paths = sysconfig.get_paths()
+    borrowed = list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+    (site_packages,) = venv.glob("lib/python*/site-packages")
+    (site_packages / "_running_environment.pth").write_text("\n".join(borrowed) + "\n")
+    return borrowed
 
 
 def _ok(done: subprocess.CompletedProcess[str]) -> str:
@@ -75,7 +99,8 @@ def test_the_wheel_runs_the_demo_from_an_empty_directory(tmp_path: Path) -> None
     )
     (wheel,) = dist.glob("p2ptrain-*.whl")
     base = getattr(sys, "_base_executable", sys.executable)
-    _ok(_run([base, "-m", "venv", "--system-site-packages", str(venv)], cwd=work, timeout=120))
+    _ok(_run([base, "-m", "venv", str(venv)], cwd=work, timeout=120))
+    borrowed = _borrow_running_environment(venv)
     python = venv / "bin" / "python"
     _ok(
         _run(
@@ -86,14 +111,31 @@ def test_the_wheel_runs_the_demo_from_an_empty_directory(tmp_path: Path) -> None
     )
     where = _ok(
         _run(
-            [str(python), "-c", "import p2ptrain, sys; print(p2ptrain.__file__); print(sys.path)"],
+            [
+                str(python),
+                "-c",
+                "import p2ptrain, sys; print(p2ptrain.__file__); print(*sys.path, sep='\\n')",
+            ],
             cwd=work,
             timeout=60,
         )
     )
-    installed, path = where.splitlines()
+    installed, *path = where.splitlines()
     assert installed.startswith(str(venv)), installed  # from the wheel, not the checkout
-    assert str(ROOT) not in path, path
+    # The checkout is not on the path (a running environment kept inside it may be).
+    assert not [p for p in path if p not in borrowed and p.startswith(str(ROOT))], path
+    # The dependencies come from the environment the tests run in, whatever the
+    # base interpreter has installed (on a fresh machine: nothing).
+    origins = _ok(
+        _run(
+            [str(python), "-c", _PRINT_DEPENDENCY_ORIGINS, *_DEPENDENCIES],
+            cwd=work,
+            timeout=120,
+        )
+    ).splitlines()
+    assert len(origins) == len(_DEPENDENCIES), origins
+    for name, origin in zip(_DEPENDENCIES, origins, strict=True):
+        assert any(origin.startswith(d) for d in borrowed), (name, origin, borrowed)
     png = work / "loss.png"
     demo = _run(
         [
