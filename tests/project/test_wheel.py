@@ -28,8 +28,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Imported by the demo; each must resolve inside the running environment.
 _DEPENDENCIES = ("torch", "msgpack", "aiortc", "cvxpy", "numpy", "cryptography", "matplotlib")
 _PRINT_DEPENDENCY_ORIGINS = (
-    "import importlib, sys\n"
-    "for name in sys.argv[1:]: print(importlib.import_module(name).__file__)"
+    "import importlib, sys\nfor name in sys.argv[1:]: print(importlib.import_module(name).__file__)"
 )
 _NOT_SOURCE = (".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "runs")
 
