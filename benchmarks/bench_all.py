@@ -49,7 +49,7 @@ from benchmarks.harness import (
     module_argv,
     uvloop_available,
 )
-from p2ptrain.testing.natlab.netns import lab_unavailable
+from p2ptrain.lab.natlab.netns import lab_unavailable
 
 BENCHMARKS = (
     "transport",

@@ -94,9 +94,9 @@ from benchmarks.allreduce.systems import (
 from benchmarks.harness import DefaultsHelpFormatter, emit_json, uvloop_available
 from p2ptrain.allreduce import GroupPlan
 from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
+from p2ptrain.lab.natlab.netns import lab_unavailable, python_env
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.rpc.config import ConnectionConfig
-from p2ptrain.testing.natlab.netns import lab_unavailable, python_env
 from p2ptrain.transport.crypto_offload import effective_offload_bytes
 
 MiB = 1 << 20

@@ -16,7 +16,7 @@ Parts (each in real processes on loopback unless it says simulated):
     every server emulates a device with a floor on each forward and backward,
     because on two cores the machine, not a stage, limits real processes);
     and, simulated (the production trainer, directory and rebalancer over the
-    simulated network on the virtual clock, see ``p2ptrain/testing/swarm_sim.py``),
+    simulated network on the virtual clock, see ``p2ptrain/lab/swarm_sim.py``),
     40/8/8/8 peers against the ideal, and 256 peers over 8 stages with a 1:8
     compute spread and 10 % churn per period;
 (d) loss at 25/50/100 % of the samples, pipeline (lock-step: each step's
@@ -91,8 +91,8 @@ def _part(name: str, skip: set[str], notes: list[str], fn: Any, *args: Any, **kw
 
 
 def _sim(start: tuple[int, ...], periods: int, **config: Any) -> list[Any]:
-    from p2ptrain.testing.swarm_sim import SwarmSimConfig, SwarmSimulation
-    from p2ptrain.testing.virtual_clock import run_virtual
+    from p2ptrain.lab.swarm_sim import SwarmSimConfig, SwarmSimulation
+    from p2ptrain.lab.virtual_clock import run_virtual
 
     async def main() -> list[Any]:
         async with SwarmSimulation(SwarmSimConfig(start=start, **config)) as sim:

@@ -1,7 +1,7 @@
 """Benchmark averaging at scale: a simulated swarm of 16 to 1,024 peers, and 48 real processes.
 
 **Simulation.** For every size in ``--sizes``, a child process runs
-:class:`p2ptrain.testing.simulator.Simulation` on a virtual clock: every peer
+:class:`p2ptrain.lab.simulator.Simulation` on a virtual clock: every peer
 is the production Node + handshake + DHT + matchmaker + all-reduce service +
 grouped averager over an in-memory network of heterogeneous home links
 (download/upload 50/10, 100/50 and 1000/100 Mbit/s, RTT 20-80 ms to the core),
@@ -57,8 +57,8 @@ from benchmarks.harness import DefaultsHelpFormatter, JsonChild, emit_json, form
 def sim_main(job: dict[str, Any]) -> dict[str, Any]:
     """Run the simulation of one size and summarize its steps."""
     from p2ptrain.allreduce.grouped import GroupingConfig
-    from p2ptrain.testing.simulator import Simulation, SimulationConfig
-    from p2ptrain.testing.virtual_clock import run_virtual
+    from p2ptrain.lab.simulator import Simulation, SimulationConfig
+    from p2ptrain.lab.virtual_clock import run_virtual
 
     config = SimulationConfig(
         peers=job["peers"],

@@ -50,7 +50,7 @@ otherwise): two hosts of the star lab at 50 Mbit/s up, 100 down; one streams
 ``--shaped-mib`` MiB in 1 MiB frames to the other while making an echo call
 every 50 ms, with p2ptrain's default pacing and with it off
 (``pace_target_s=None``), alternating, ``--shaped-repeats`` each
-(:mod:`p2ptrain.testing.bulk_echo`). The table shows the stream's rate and
+(:mod:`p2ptrain.lab.bulk_echo`). The table shows the stream's rate and
 the calls' median and 90th-percentile latency; JSON keys
 ``shaped_echo_ms_paced``, ``shaped_echo_ms_unpaced`` (medians of the runs'
 medians), ``shaped_echo_p90_ms_paced``, ``shaped_echo_p90_ms_unpaced``,
@@ -106,6 +106,9 @@ from benchmarks.harness import (
     uvloop_available,
     wait_for_stdin_eof,
 )
+from p2ptrain.lab import bulk_echo
+from p2ptrain.lab.natlab.netns import lab_unavailable
+from p2ptrain.lab.starlab import LinkSpec, StarLab
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.memory import release_unused_memory
@@ -114,9 +117,6 @@ from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.handshake import perform_handshake
-from p2ptrain.testing import bulk_echo
-from p2ptrain.testing.natlab.netns import lab_unavailable
-from p2ptrain.testing.starlab import LinkSpec, StarLab
 from p2ptrain.transport.tcp import tcp_connect
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor
 

@@ -20,7 +20,7 @@ Paths:
 
 * ``clean``: two unshaped homes (the CPU is the limit).
 * ``lossy``: each home adds 10 ms each way and drops 0.25 % of packets each
-  way in the tun shim (:mod:`p2ptrain.testing.lossy_link`): ~40 ms RTT and
+  way in the tun shim (:mod:`p2ptrain.lab.lossy_link`): ~40 ms RTT and
   ~0.5 % loss on the path.
 
 Variants (``--ablation`` adds the intermediate steps between the two ends):
@@ -81,8 +81,8 @@ from benchmarks.harness import (
     median,
     run,
 )
-from p2ptrain.testing.natlab.lab import HomeConfig, LabConfig, NatLab
-from p2ptrain.testing.natlab.netns import lab_unavailable
+from p2ptrain.lab.natlab.lab import HomeConfig, LabConfig, NatLab
+from p2ptrain.lab.natlab.netns import lab_unavailable
 from p2ptrain.transport.webrtc import WebRTCTransport
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
 from p2ptrain.transport.webrtc_connect import webrtc_connect

@@ -20,7 +20,7 @@ from p2ptrain.node.node import Node
 from p2ptrain.secure.handshake import AdmissionPolicy, HandshakeResult, perform_handshake
 from p2ptrain.secure.identity import Identity, PeerID
 from p2ptrain.testing.memory import memory_transport_pair
-from p2ptrain.testing.natlab.plugin import pytest_terminal_summary
+from p2ptrain.testing.natlab_plugin import pytest_terminal_summary
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.wire.frames import Frame
 

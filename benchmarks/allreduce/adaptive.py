@@ -45,7 +45,7 @@ from benchmarks.allreduce.runner import PeerGroup, run_round
 from benchmarks.allreduce.systems import p2ptrain_plan, p2ptrain_prepares, start_p2ptrain
 from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
-from p2ptrain.testing.natlab.netns import python_env
+from p2ptrain.lab.natlab.netns import python_env
 
 __all__ = ["run_adaptive"]
 

@@ -66,8 +66,8 @@ from p2ptrain.allreduce import ThroughputMeter
 from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
 from p2ptrain.allreduce.partition import equal_shares, evaluate_round_time
+from p2ptrain.lab.natlab.netns import python_env
 from p2ptrain.measure import payload_rate
-from p2ptrain.testing.natlab.netns import python_env
 
 __all__ = ["SCENARIO", "HeteroPeer", "HeteroResult", "Prediction", "predict", "run_hetero"]
 

@@ -1,6 +1,6 @@
 """``bench_training.py --wan``: p2ptrain's trainers against hivemind.Optimizer on shaped home links.
 
-Each system trains in a fresh star lab (:mod:`p2ptrain.testing.starlab`):
+Each system trains in a fresh star lab (:mod:`p2ptrain.lab.starlab`):
 ``--peers`` hosts, each in its own network namespace, each behind a home
 link of ``--up-mbit`` / ``--down-mbit`` (``tc tbf``) with ``--rtt-ms`` of
 round-trip time (the kernel has no netem: every host routes its sends
@@ -212,7 +212,7 @@ def _job(args: argparse.Namespace, system: str, index: int, host: str) -> dict[s
 
 def run_system(args: argparse.Namespace, system: str, python: str) -> dict[str, Any]:
     """Train ``system`` in a fresh star lab; the raw results of its peers and its losses."""
-    from p2ptrain.testing.starlab import LinkSpec, StarLab
+    from p2ptrain.lab.starlab import LinkSpec, StarLab
 
     script = HIVEMIND_WORKER if system == "hivemind" else P2PTRAIN_WORKER
     links = [LinkSpec(args.up_mbit, args.down_mbit)] * args.peers
@@ -457,7 +457,7 @@ def report(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> None:
 
 def run_wan(args: argparse.Namespace) -> None:
     """``--wan``: every chosen system in turn, then the report."""
-    from p2ptrain.testing.starlab import unavailable_reason
+    from p2ptrain.lab.starlab import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

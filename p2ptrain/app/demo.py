@@ -10,7 +10,7 @@ and writes a PNG of each peer's loss against time.
 
 With ``shaped=True`` (root; ``p2ptrain demo --shaped``) the rates are real:
 the bootstrap peer and every training peer run in their own network
-namespace of a :class:`~p2ptrain.testing.starlab.StarLab`, with tc-tbf links
+namespace of a :class:`~p2ptrain.lab.starlab.StarLab`, with tc-tbf links
 at those rates and ``delay_ms`` of delay on each host's sends, and no peer is
 told a rate: the load balancer gets only what the peers measure (probe and
 rounds). The summary then shows each peer's configured rate next to the
@@ -38,7 +38,7 @@ from p2ptrain.app.report import losses_of, plot_series, text_table
 from p2ptrain.errors import ConfigError, MissingDependencyError
 
 if TYPE_CHECKING:
-    from p2ptrain.testing.starlab import StarLab
+    from p2ptrain.lab.starlab import StarLab
 
 __all__ = [
     "PeerRun",
@@ -238,7 +238,7 @@ _BOOTSTRAP_MBIT = 1000.0
 
 def _shaped_lab(config: SwarmDemoConfig, runs: Sequence[PeerRun]) -> StarLab:
     """Host 0: the bootstrap peer; host i + 1: peer i, linked at its rates."""
-    from p2ptrain.testing.starlab import LinkSpec, StarLab  # noqa: PLC0415
+    from p2ptrain.lab.starlab import LinkSpec, StarLab  # noqa: PLC0415
 
     links = [LinkSpec(_BOOTSTRAP_MBIT, _BOOTSTRAP_MBIT)]
     links += [LinkSpec(run.upload_mbit, run.download_mbit) for run in runs]

@@ -4,7 +4,7 @@ A :class:`~p2ptrain.node.node.Node` asks its network for a listener when it
 starts and for a transport when it dials an address directly. Everything
 after that (the handshake, the RPC connection, the pool) is the same code
 whatever carries the frames. :class:`TCPNetwork` is the real thing; the
-simulator in :mod:`p2ptrain.testing.simnet` implements the same protocol
+simulator in :mod:`p2ptrain.lab.simnet` implements the same protocol
 with in-memory links that have rates, latency and loss.
 """
 

@@ -39,7 +39,7 @@ move_to(stage)`` (async, on the peer's loop), ``StageServerConfig.min_compute_s`
 Exactly-once counting of samples across kills: :mod:`p2ptrain.swarm.ledger`.
 A simulation runs the same :class:`StageServer` on its virtual clock through
 ``StageServer(device=..., stage_optimizer=...)`` and ``astart()`` / ``aclose()``
-/ ``abort()`` (:mod:`p2ptrain.testing.swarm_sim`).
+/ ``abort()`` (:mod:`p2ptrain.lab.swarm_sim`).
 """
 
 from p2ptrain.errors import MemoryBudgetError, PipelineError, StageUnavailableError

@@ -10,7 +10,7 @@ seconds (compute plus the floor, not the wait for the device).
 * :class:`ThreadDevice` (production): one worker thread, so the event loop
   stays free; ``min_compute_s`` holds the thread, emulating a slower device.
 * A simulation passes a device on its virtual clock
-  (:class:`~p2ptrain.testing.swarm_sim.VirtualDevice`): the same server code,
+  (:class:`~p2ptrain.lab.swarm_sim.VirtualDevice`): the same server code,
   with the floor spent on the loop's clock.
 """
 

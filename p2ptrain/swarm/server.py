@@ -36,7 +36,7 @@ state lock keeps a step from changing the parameters under a forward or
 backward. The stage's optimizer is made by ``stage_optimizer`` (by default
 a :class:`~p2ptrain.train.CollaborativeOptimizer` on the peer); a
 simulation passes a device and an optimizer on its virtual clock and runs
-this same class (:mod:`p2ptrain.testing.swarm_sim`).
+this same class (:mod:`p2ptrain.lab.swarm_sim`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Pure logic in p2ptrain takes time as an argument or a ``Callable[[], float]``
 (the DHT's record store, the progress tracker); a test passes a
 :class:`ManualClock` and :meth:`~ManualClock.advance`-s it instead of
 sleeping. For whole asyncio programs on a virtual clock see
-:mod:`p2ptrain.testing.virtual_clock`.
+:mod:`p2ptrain.lab.virtual_clock`.
 """
 
 from __future__ import annotations

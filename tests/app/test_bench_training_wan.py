@@ -10,7 +10,7 @@ import pytest
 from doccheck import ROOT
 
 from p2ptrain.examples.charlm.model import ModelConfig, make_model
-from p2ptrain.testing.natlab.plugin import require_netns
+from p2ptrain.testing.natlab_plugin import require_netns
 
 
 @pytest.mark.netns

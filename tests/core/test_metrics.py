@@ -22,6 +22,7 @@ from p2ptrain.app.cli import _ConsoleHandler
 from p2ptrain.app.collectors import dht_collector, node_collector
 from p2ptrain.dht import DHT, DHTNodeConfig
 from p2ptrain.errors import ConfigError, ConnectError, LookupFailedError
+from p2ptrain.lab.echo import echo
 from p2ptrain.metrics import (
     HELP,
     RENAMED,
@@ -32,7 +33,6 @@ from p2ptrain.metrics import (
 )
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.secure.identity import Identity
-from p2ptrain.testing.echo import echo
 from p2ptrain.train.averaging import RoundOutcome, _log_round
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.testing.natlab.plugin import STRICT_ENV, _packages
+from p2ptrain.testing.natlab_plugin import STRICT_ENV, _packages
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = ("iptables", "turnserver")

@@ -27,12 +27,12 @@ from p2ptrain.allreduce.group import GroupPlan
 from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.app.collectors import nat_collector
 from p2ptrain.dht.node_config import DHTNodeConfig
+from p2ptrain.lab.natlab.lab import HomeConfig, LabConfig, NatLab
 from p2ptrain.nat.config import NATConfig
 from p2ptrain.nat.stun import stun_query
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.peer import Peer, PeerConfig
-from p2ptrain.testing.natlab.lab import HomeConfig, LabConfig, NatLab
-from p2ptrain.testing.natlab.plugin import natlab_fixture
+from p2ptrain.testing.natlab_plugin import natlab_fixture
 
 pytestmark = pytest.mark.netns
 natlab = natlab_fixture(

@@ -29,6 +29,8 @@ from p2ptrain import aio
 from p2ptrain.dht.api import DHT, ValueWithExpiration
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConnectionClosedError, HandshakeError, StreamEndedError
+from p2ptrain.lab.echo import echo
+from p2ptrain.lab.natlab.lab import LabConfig, NatLab
 from p2ptrain.nat import (
     LocalView,
     NATConfig,
@@ -48,9 +50,7 @@ from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.identity import Identity, PeerID
-from p2ptrain.testing.echo import echo
-from p2ptrain.testing.natlab.lab import LabConfig, NatLab
-from p2ptrain.testing.natlab.plugin import natlab_fixture
+from p2ptrain.testing.natlab_plugin import natlab_fixture
 from p2ptrain.transport.webrtc import WebRTCTransport
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig
 from p2ptrain.transport.webrtc_connect import webrtc_connect

@@ -25,16 +25,16 @@ from aioice import stun
 from aioice.turn import create_turn_endpoint
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.testing.lossy_link import DelayLine, LinkConfig
-from p2ptrain.testing.natlab.lab import HomeConfig, LabConfig, NatLab, Node
-from p2ptrain.testing.natlab.netns import cleanup_stale_labs, list_netns, run_cmd
-from p2ptrain.testing.natlab.plugin import natlab_fixture, require_netns
-from p2ptrain.testing.natlab.turn import (
+from p2ptrain.lab.lossy_link import DelayLine, LinkConfig
+from p2ptrain.lab.natlab.lab import HomeConfig, LabConfig, NatLab, Node
+from p2ptrain.lab.natlab.netns import cleanup_stale_labs, list_netns, run_cmd
+from p2ptrain.lab.natlab.turn import (
     TurnServerInfo,
     parse_binding_response,
     stun_binding,
     stun_binding_request,
 )
+from p2ptrain.testing.natlab_plugin import natlab_fixture, require_netns
 
 SHIM_DELAY_MS = 10.0
 SHIM_LOSS = 0.05

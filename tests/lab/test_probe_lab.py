@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from p2ptrain.testing.natlab.netns import python_env
-from p2ptrain.testing.natlab.plugin import require_netns
-from p2ptrain.testing.starlab import LinkSpec, StarLab
+from p2ptrain.lab.natlab.netns import python_env
+from p2ptrain.lab.starlab import LinkSpec, StarLab
+from p2ptrain.testing.natlab_plugin import require_netns
 
 _SERVER = """
 import asyncio, sys

@@ -15,13 +15,13 @@ from p2ptrain.allreduce import reducer as reducer_module
 from p2ptrain.allreduce.grouped import GroupingConfig
 from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.errors import ConnectError, P2PTrainError
+from p2ptrain.lab.simnet import LinkProfile, SimNetwork
+from p2ptrain.lab.simulator import Simulation, SimulationConfig
+from p2ptrain.lab.virtual_clock import VirtualClockLoop, run_virtual
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
-from p2ptrain.testing.simnet import LinkProfile, SimNetwork
-from p2ptrain.testing.simulator import Simulation, SimulationConfig
-from p2ptrain.testing.virtual_clock import VirtualClockLoop, run_virtual
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.wire.frames import Frame, FrameType, encode_frame
 

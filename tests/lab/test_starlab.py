@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.testing.natlab.native_shim import SHIM_ENV, _build, native_shim
-from p2ptrain.testing.natlab.plugin import require_netns
-from p2ptrain.testing.starlab import LinkSpec, StarLab
+from p2ptrain.lab.natlab.native_shim import SHIM_ENV, _build, native_shim
+from p2ptrain.lab.starlab import LinkSpec, StarLab
+from p2ptrain.testing.natlab_plugin import require_netns
 
 _CLIENT = """
 import json, socket, sys, time

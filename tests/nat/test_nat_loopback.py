@@ -29,6 +29,7 @@ from p2ptrain.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
+from p2ptrain.lab.echo import echo
 from p2ptrain.nat import NATConfig, NATService, PeerRecord, RelayLimits, find_record
 from p2ptrain.nat.reachability import DIALBACK, Reachability, request_dialback
 from p2ptrain.nat.relay import RelayTransport
@@ -40,7 +41,6 @@ from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.identity import PeerID
 from p2ptrain.testing.conformance import SuiteConfig, run_suite
-from p2ptrain.testing.echo import echo
 from p2ptrain.transport.base import FrameTransport
 
 MiB = 1 << 20

@@ -16,6 +16,7 @@ import torch
 from conftest import NodeFactory, recorded_handshake, shake
 
 from p2ptrain.errors import AuthenticationError, HandshakeError, InvalidArgumentError
+from p2ptrain.lab.echo import echo
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.config import ConnectionConfig
@@ -23,7 +24,6 @@ from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.handshake import AdmissionPolicy, HandshakeParams, Initiator
 from p2ptrain.secure.identity import Identity
-from p2ptrain.testing.echo import echo
 from p2ptrain.transport.tcp import TCPTransport, tcp_connect
 from p2ptrain.wire.frames import Frame, FrameType, encode_frame, pack_body
 from p2ptrain.wire.tensors import decode_tensor, encode_tensor

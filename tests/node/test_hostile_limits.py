@@ -18,6 +18,8 @@ import pytest
 from conftest import NodeFactory
 
 from p2ptrain.errors import DeadlineExceededError, ResourceExhaustedError
+from p2ptrain.lab.echo import echo
+from p2ptrain.lab.virtual_clock import run_virtual
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.limits import RateLimitedLog
 from p2ptrain.node.memory import malloc_trim, release_for_loop, release_unused_memory
@@ -27,8 +29,6 @@ from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
-from p2ptrain.testing.echo import echo
-from p2ptrain.testing.virtual_clock import run_virtual
 from p2ptrain.transport.tcp import TCPTransport
 from p2ptrain.wire.buffers import BufferPool
 

@@ -12,12 +12,12 @@ import pytest
 from conftest import NodeFactory
 
 from p2ptrain.errors import ConfigError, ConnectError, UnavailableError
+from p2ptrain.lab.echo import echo
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import Identity
-from p2ptrain.testing.echo import echo
 
 
 async def test_calls_reuse_one_connection_and_both_sides_share_it(

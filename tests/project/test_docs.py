@@ -46,7 +46,7 @@ def test_the_checker_finds_subcommands_benchmarks_and_their_flags() -> None:
     assert check_argv(["python", "benchmarks/bench_lp.py", "--seed", "1"]) == [
         "benchmarks/bench_lp.py: run benchmarks as modules: python -m benchmarks.bench_lp"
     ]
-    assert check_argv(["python", "-m", "p2ptrain.testing.natlab.cli", "cleanup", "--all"]) == []
+    assert check_argv(["python", "-m", "p2ptrain.lab.natlab.cli", "cleanup", "--all"]) == []
     assert check_argv(["pip", "install", "--whatever"]) == []  # not ours
     assert list(commands("$ p2ptrain demo && p2ptrain status --join X\noutput line\n")) == [
         ["p2ptrain", "demo"],

@@ -17,11 +17,11 @@ from p2ptrain.errors import (
     RPCCancelledError,
     StreamEndedError,
 )
+from p2ptrain.lab.echo import echo
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.rpc.stream import RPCStream
-from p2ptrain.testing.echo import echo
 
 
 async def test_unary_call_carries_body_and_payload(make_node: NodeFactory) -> None:

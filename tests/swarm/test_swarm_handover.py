@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from swarm_peers import mlp_model, server_config, sgd
 
+from p2ptrain.lab.swarm_sim import LocalStageOptimizer
 from p2ptrain.swarm import StageServer
 from p2ptrain.swarm.server import _Stage
-from p2ptrain.testing.swarm_sim import LocalStageOptimizer
 from p2ptrain.train.collaboration import StepRecord, TrainerStats
 
 

@@ -10,9 +10,9 @@ import torch
 from swarm_peers import make_trainer, mlp_model, regression_batch, server_config, sgd, swarm
 from train_worker import FAST_MATCHMAKING, peer_config
 
+from p2ptrain.lab.swarm_sim import LocalStageOptimizer
 from p2ptrain.peer import Peer
 from p2ptrain.swarm import StageServer
-from p2ptrain.testing.swarm_sim import LocalStageOptimizer
 
 
 def test_micro_batches_flow_through_two_stages_and_the_loss_falls() -> None:

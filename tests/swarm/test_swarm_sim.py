@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.testing.swarm_sim import (
+from p2ptrain.lab.swarm_sim import (
     PeriodResult,
     SwarmSimConfig,
     SwarmSimulation,
     ideal_throughput,
 )
-from p2ptrain.testing.virtual_clock import run_virtual
+from p2ptrain.lab.virtual_clock import run_virtual
 
 SMALL = {"compute_s": 1.0, "period_s": 20.0, "announce_interval": 2.0, "announce_ttl": 6.0}
 

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.testing.bulk_echo import run_in_lab
-from p2ptrain.testing.natlab.plugin import require_netns
-from p2ptrain.testing.starlab import LinkSpec, StarLab
+from p2ptrain.lab.bulk_echo import run_in_lab
+from p2ptrain.lab.starlab import LinkSpec, StarLab
+from p2ptrain.testing.natlab_plugin import require_netns
 from p2ptrain.transport.pacing import (
     SendPacer,
     kernel_pacing_rate,

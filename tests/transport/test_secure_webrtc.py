@@ -15,9 +15,9 @@ from test_webrtc import MAX_FRAME, MAX_HEADER, natlab, netns, stun_only
 
 from p2ptrain import aio
 from p2ptrain.errors import AuthenticationError, HandshakeError, P2PTrainError
+from p2ptrain.lab.natlab.lab import NatLab
 from p2ptrain.secure.handshake import AdmissionPolicy, perform_handshake
 from p2ptrain.secure.identity import Identity
-from p2ptrain.testing.natlab.lab import NatLab
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.transport.webrtc import WebRTCTransport
 from p2ptrain.transport.webrtc_config import WebRTCConfig

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 from test_webrtc import webrtc_runners
 
+from p2ptrain.lab.natlab.lab import HomeConfig, LabConfig, NatLab
 from p2ptrain.testing.conformance import Check, SuiteConfig, checks, run_check, run_check_split
-from p2ptrain.testing.natlab.lab import HomeConfig, LabConfig, NatLab
-from p2ptrain.testing.natlab.plugin import natlab_fixture
+from p2ptrain.testing.natlab_plugin import natlab_fixture
 from p2ptrain.transport.base import FrameTransport
 from p2ptrain.transport.tcp import TCPTransport, tcp_connect, tcp_listen
 from p2ptrain.transport.webrtc_config import IceServer, WebRTCConfig

@@ -41,6 +41,8 @@ from p2ptrain.errors import (
     NATTraversalError,
     RemoteProtocolError,
 )
+from p2ptrain.lab.echo import echo
+from p2ptrain.lab.natlab.lab import NatLab
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext, HandlerTable
@@ -48,9 +50,7 @@ from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.handshake import AdmissionPolicy, perform_handshake
 from p2ptrain.secure.identity import Identity
 from p2ptrain.testing.conformance import Check, Side, SideRunner, run_check_split, run_side
-from p2ptrain.testing.echo import echo
-from p2ptrain.testing.natlab.lab import NatLab
-from p2ptrain.testing.natlab.plugin import natlab_fixture
+from p2ptrain.testing.natlab_plugin import natlab_fixture
 from p2ptrain.transport import webrtc_connect as webrtc_connect_module
 from p2ptrain.transport import webrtc_sctp
 from p2ptrain.transport.base import FrameTransport

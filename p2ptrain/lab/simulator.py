@@ -5,9 +5,9 @@ real handshake and RPC connections), a real :class:`~p2ptrain.dht.api.DHT`,
 :class:`~p2ptrain.allreduce.matchmaking.Matchmaker`,
 :class:`~p2ptrain.allreduce.service.AllReduceService` and
 :class:`~p2ptrain.allreduce.grouped.GroupedAverager`; only the network
-underneath is :class:`~p2ptrain.testing.simnet.SimNetwork`. Run a
-:class:`Simulation` on a :class:`~p2ptrain.testing.virtual_clock.VirtualClockLoop`
-(:func:`~p2ptrain.testing.virtual_clock.run_virtual`) and its minutes of
+underneath is :class:`~p2ptrain.lab.simnet.SimNetwork`. Run a
+:class:`Simulation` on a :class:`~p2ptrain.lab.virtual_clock.VirtualClockLoop`
+(:func:`~p2ptrain.lab.virtual_clock.run_virtual`) and its minutes of
 simulated time take seconds of CPU.
 
 Each :meth:`Simulation.step` gives every live peer a random vector and a
@@ -52,10 +52,10 @@ from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError, P2PTrainError
+from p2ptrain.lab.simnet import LinkProfile, SimEndpoint, SimNetwork
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.secure.identity import Identity, PeerID
-from p2ptrain.testing.simnet import LinkProfile, SimEndpoint, SimNetwork
 
 __all__ = ["HOME_LINKS", "SimPeer", "Simulation", "SimulationConfig", "StepResult"]
 

@@ -10,7 +10,7 @@ carries frames over the simulation with its ordinary code: the same
 handshake, RPC connections, DHT, matchmaking and all-reduce as over TCP.
 
 Bytes move on the loop's clock (meant to be a
-:class:`~p2ptrain.testing.virtual_clock.VirtualClockLoop`):
+:class:`~p2ptrain.lab.virtual_clock.VirtualClockLoop`):
 
 * a frame of ``n`` bytes occupies the sender's uplink for ``n / upload``
   seconds after whatever it queued before (one FIFO per host, shared by all

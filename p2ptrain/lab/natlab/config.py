@@ -105,7 +105,7 @@ class LabConfig:
         turn_password: Its password.
         turn_realm: The TURN realm.
         prefix: Prefix of namespace names; see
-            :func:`~p2ptrain.testing.natlab.netns.cleanup_stale_labs`.
+            :func:`~p2ptrain.lab.natlab.netns.cleanup_stale_labs`.
         seed: Seed of the loss shims (home ``i`` uses ``seed + i``).
         ready_timeout_s: How long to wait for coturn and the shims to answer.
     """

@@ -20,8 +20,8 @@ Topology (addresses for the default :class:`LabConfig`; docs/nat-lab.md has more
 Every home router forwards, masquerades on ``wan`` and drops unsolicited
 inbound (conntrack NEW/INVALID) on ``wan`` in INPUT and FORWARD, as home routers
 do; tbf shapes upload on ``wan`` and download on ``lan``. Delay and loss are
-added by a user-space shim (:mod:`p2ptrain.testing.lossy_link`) in the internet
-router (see :mod:`p2ptrain.testing.natlab.shim`).
+added by a user-space shim (:mod:`p2ptrain.lab.lossy_link`) in the internet
+router (see :mod:`p2ptrain.lab.natlab.shim`).
 
 Example::
 
@@ -48,8 +48,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from p2ptrain.testing.natlab.config import DEFAULT_HOMES, HomeConfig, LabConfig, NatKind
-from p2ptrain.testing.natlab.netns import (
+from p2ptrain.lab.natlab.config import DEFAULT_HOMES, HomeConfig, LabConfig, NatKind
+from p2ptrain.lab.natlab.netns import (
     DEFAULT_PREFIX,
     NatLabError,
     call_in_netns,
@@ -63,8 +63,8 @@ from p2ptrain.testing.natlab.netns import (
     run_cmd,
     unavailable_reason,
 )
-from p2ptrain.testing.natlab.shim import ShimLink, shim_route_commands, start_shim, stop_shim
-from p2ptrain.testing.natlab.turn import TurnServerInfo, stun_binding, turnserver_argv
+from p2ptrain.lab.natlab.shim import ShimLink, shim_route_commands, start_shim, stop_shim
+from p2ptrain.lab.natlab.turn import TurnServerInfo, stun_binding, turnserver_argv
 
 __all__ = [
     "DEFAULT_HOMES",

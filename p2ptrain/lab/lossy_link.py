@@ -18,13 +18,13 @@ Theory of operation:
   queue) writes due packets back. The loop uses ``select(2)``, whose timeout
   has microsecond precision: epoll and libuv (uvloop) work in milliseconds, which
   would release packets up to 1 ms late (or, with libuv, early).
-* ``python -m p2ptrain.testing.lossy_link --tun NAME ...`` attaches to an
+* ``python -m p2ptrain.lab.lossy_link --tun NAME ...`` attaches to an
   existing tun device (or creates one), prints one JSON line ``{"ready": ...}``,
   runs until SIGTERM/SIGINT and prints one JSON line of counters on exit.
 
 The process must run inside the network namespace that owns the tun device
-(``ip netns exec``); see :mod:`p2ptrain.testing.natlab.lab`. The labs prefer
-its compiled twin, ``natlab/tun_delay.c`` (:mod:`p2ptrain.testing.natlab.native_shim`):
+(``ip netns exec``); see :mod:`p2ptrain.lab.natlab.lab`. The labs prefer
+its compiled twin, ``natlab/tun_delay.c`` (:mod:`p2ptrain.lab.natlab.native_shim`):
 same settings and output, a fraction of the CPU per packet.
 """
 
@@ -249,7 +249,7 @@ async def run_link(fd: int, config: LinkConfig, stop: asyncio.Event) -> LinkStat
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m p2ptrain.testing.lossy_link",
+        prog="python -m p2ptrain.lab.lossy_link",
         description="Delay and drop packets routed into a tun device.",
     )
     parser.add_argument("--tun", required=True, help="tun device name (created if missing)")

@@ -1,8 +1,8 @@
 """Wiring of the delay/loss shim into the lab.
 
 The shim is the compiled ``tun_delay`` where a C compiler is found
-(:mod:`p2ptrain.testing.natlab.native_shim`), else the Python module
-:mod:`p2ptrain.testing.lossy_link`; both take the same settings and print the
+(:mod:`p2ptrain.lab.natlab.native_shim`), else the Python module
+:mod:`p2ptrain.lab.lossy_link`; both take the same settings and print the
 same JSON lines.
 
 A home's access link is impaired in the internet router namespace, where no
@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2ptrain.testing.natlab.native_shim import native_shim
-from p2ptrain.testing.natlab.netns import NatLabError, netns_argv, python_env
+from p2ptrain.lab.natlab.native_shim import native_shim
+from p2ptrain.lab.natlab.netns import NatLabError, netns_argv, python_env
 
 __all__ = ["ShimLink", "shim_route_commands", "start_shim", "stop_shim"]
 
@@ -146,7 +146,7 @@ def _shim_argv(link: ShimLink) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "p2ptrain.testing.lossy_link",
+        "p2ptrain.lab.lossy_link",
         f"--tun={link.tun}",
         f"--delay-ms={link.delay_ms}",
         f"--loss={link.loss}",

@@ -2,8 +2,8 @@
 
 Two processes, for a shaped link (the star lab) or any two hosts::
 
-    python -m p2ptrain.testing.bulk_echo serve HOST          # prints its address
-    python -m p2ptrain.testing.bulk_echo measure ADDRESS MIB paced|unpaced
+    python -m p2ptrain.lab.bulk_echo serve HOST          # prints its address
+    python -m p2ptrain.lab.bulk_echo measure ADDRESS MIB paced|unpaced
 
 ``measure`` streams ``MIB`` MiB to the server in 1 MiB frames and meanwhile
 makes an echo call every 50 ms; it prints one JSON line: bytes delivered,
@@ -24,14 +24,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from p2ptrain import aio
+from p2ptrain.lab.echo import echo
+from p2ptrain.lab.starlab import StarLab
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.rpc.config import ConnectionConfig
 from p2ptrain.rpc.handlers import CallContext
 from p2ptrain.rpc.stream import RPCStream
-from p2ptrain.testing.echo import echo
-from p2ptrain.testing.starlab import StarLab
 
 __all__ = ["main", "measure", "run_in_lab", "serve"]
 
@@ -102,7 +102,7 @@ def run_in_lab(lab: StarLab, mib: int, *, paced: bool, timeout: float = 120.0) -
     Raises:
         RuntimeError: a process failed or the server printed no address.
     """
-    module = [sys.executable, "-m", "p2ptrain.testing.bulk_echo"]
+    module = [sys.executable, "-m", "p2ptrain.lab.bulk_echo"]
     server = subprocess.Popen(
         lab.argv(1, [*module, "serve", lab.host_address(1)]),
         stdin=subprocess.PIPE,

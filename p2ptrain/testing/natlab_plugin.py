@@ -2,8 +2,8 @@
 
 In a test module::
 
-    from p2ptrain.testing.natlab.lab import HomeConfig, LabConfig
-    from p2ptrain.testing.natlab.plugin import natlab_fixture
+    from p2ptrain.lab.natlab.lab import HomeConfig, LabConfig
+    from p2ptrain.testing.natlab_plugin import natlab_fixture
 
     natlab = natlab_fixture(LabConfig(homes=(HomeConfig("a"), HomeConfig("b"))))
 
@@ -33,8 +33,8 @@ from typing import Any, Literal
 
 import pytest
 
-from p2ptrain.testing.natlab.lab import LabConfig, NatLab
-from p2ptrain.testing.natlab.netns import cleanup_stale_labs, lab_unavailable
+from p2ptrain.lab.natlab.lab import LabConfig, NatLab
+from p2ptrain.lab.natlab.netns import cleanup_stale_labs, lab_unavailable
 
 __all__ = [
     "SKIP_PREFIX",

@@ -1,8 +1,8 @@
 """SWARM pipeline training with many peers in one process, on the virtual clock.
 
-What runs as in production, over :class:`~p2ptrain.testing.simnet.SimNetwork`
+What runs as in production, over :class:`~p2ptrain.lab.simnet.SimNetwork`
 (per-peer link rates and round-trip times) on a
-:class:`~p2ptrain.testing.virtual_clock.VirtualClockLoop`:
+:class:`~p2ptrain.lab.virtual_clock.VirtualClockLoop`:
 
 * every peer's :class:`~p2ptrain.node.node.Node` (handshake, RPC) and
   :class:`~p2ptrain.dht.api.DHT`;
@@ -65,6 +65,8 @@ from p2ptrain.dht.api import DHT
 from p2ptrain.dht.config import DHTConfig
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError, P2PTrainError
+from p2ptrain.lab.simnet import LinkProfile, SimEndpoint, SimNetwork
+from p2ptrain.lab.simulator import EPOCH, HOME_LINKS
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
 from p2ptrain.secure.identity import Identity
@@ -79,8 +81,6 @@ from p2ptrain.swarm.rebalance import (
 from p2ptrain.swarm.server import StageServer
 from p2ptrain.swarm.stages import PipelineModel
 from p2ptrain.swarm.trainer import PipelineTrainer
-from p2ptrain.testing.simnet import LinkProfile, SimEndpoint, SimNetwork
-from p2ptrain.testing.simulator import EPOCH, HOME_LINKS
 from p2ptrain.train.collaboration import StepRecord, TrainerStats
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """A star of shaped links: the heterogeneous all-reduce benchmark and ``p2ptrain demo --shaped``.
 
 N hosts, each in its own network namespace, hang off one Linux bridge in a
-hub namespace (built with the NAT lab's plumbing, ``p2ptrain.testing.natlab.netns``)::
+hub namespace (built with the NAT lab's plumbing, ``p2ptrain.lab.natlab.netns``)::
 
     host i (netns <lab>-p<i>)                hub (netns <lab>-hub)
       eth0 10.77.0.(i+1)/24  <--veth-->  h<i> --- br0 --- h<j> ...
@@ -17,8 +17,8 @@ namespaces a crashed run left behind are removed on the next start.
 
 Latency (``delay_ms``): the kernel has no netem, so each host's outgoing
 packets to the lab subnet are routed through the NAT lab's user-space shim
-(the compiled one where a C compiler is found, :mod:`p2ptrain.testing.natlab.native_shim`,
-else :mod:`p2ptrain.testing.lossy_link`) on a tun device in the host's own
+(the compiled one where a C compiler is found, :mod:`p2ptrain.lab.natlab.native_shim`,
+else :mod:`p2ptrain.lab.lossy_link`) on a tun device in the host's own
 namespace, which holds them ``delay_ms`` and writes them back; they then
 leave through ``eth0`` and its tbf as before::
 
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from p2ptrain.testing.natlab.lab import tbf_args
-from p2ptrain.testing.natlab.netns import (
+from p2ptrain.lab.natlab.lab import tbf_args
+from p2ptrain.lab.natlab.netns import (
     cleanup_stale_labs,
     delete_netns,
     missing_tools,
@@ -51,7 +51,7 @@ from p2ptrain.testing.natlab.netns import (
     run_cmd,
     unavailable_reason,
 )
-from p2ptrain.testing.natlab.shim import ShimLink, start_shim, stop_shim
+from p2ptrain.lab.natlab.shim import ShimLink, start_shim, stop_shim
 
 __all__ = ["LinkSpec", "StarLab", "unavailable_reason"]
 

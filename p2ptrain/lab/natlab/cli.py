@@ -2,11 +2,11 @@
 
 ::
 
-    python -m p2ptrain.testing.natlab.cli up \\
+    python -m p2ptrain.lab.natlab.cli up \\
         --home name=a,upload=20,download=50,delay=10,loss=0.0025 \\
         --home name=b,delay=10,loss=0.0025 --home name=c,nat=symmetric
-    python -m p2ptrain.testing.natlab.cli cleanup          # labs of dead processes
-    python -m p2ptrain.testing.natlab.cli cleanup --all    # every lab, live or not
+    python -m p2ptrain.lab.natlab.cli cleanup          # labs of dead processes
+    python -m p2ptrain.lab.natlab.cli cleanup --all    # every lab, live or not
 
 ``up`` prints every node's namespace and address and the TURN credentials as
 one JSON object, then holds the lab until Ctrl-C or SIGTERM.
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from p2ptrain.errors import ConfigError
-from p2ptrain.testing.natlab.config import DEFAULT_HOMES, HomeConfig, LabConfig
-from p2ptrain.testing.natlab.lab import NatLab
-from p2ptrain.testing.natlab.netns import DEFAULT_PREFIX, NatLabError, cleanup_stale_labs
+from p2ptrain.lab.natlab.config import DEFAULT_HOMES, HomeConfig, LabConfig
+from p2ptrain.lab.natlab.lab import NatLab
+from p2ptrain.lab.natlab.netns import DEFAULT_PREFIX, NatLabError, cleanup_stale_labs
 
 __all__ = ["main", "parse_home"]
 
@@ -80,7 +80,7 @@ def _describe(lab: NatLab) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m p2ptrain.testing.natlab.cli")
+    parser = argparse.ArgumentParser(prog="python -m p2ptrain.lab.natlab.cli")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="build a lab and hold it until Ctrl-C")
     up.add_argument("--home", action="append", default=[], help="name=a,nat=easy,upload=...")

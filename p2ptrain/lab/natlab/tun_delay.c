@@ -1,5 +1,5 @@
 /*
- * tun_delay: the delay and loss shim of p2ptrain.testing.lossy_link, in C.
+ * tun_delay: the delay and loss shim of p2ptrain.lab.lossy_link, in C.
  *
  * Same job and interface as the Python module: attach to an existing tun
  * device, drop each packet read from it with probability LOSS (seeded RNG),

@@ -1,6 +1,6 @@
 """The delay shim compiled from C (``tun_delay.c``), where a C compiler is found.
 
-The Python shim (:mod:`p2ptrain.testing.lossy_link`) costs about 20 µs of CPU
+The Python shim (:mod:`p2ptrain.lab.lossy_link`) costs about 20 µs of CPU
 per packet; eight of them in a star lab at 40 ms RTT took over half of a
 2-core machine during a 16 MiB all-reduce round, so what they measured was
 partly the emulator. ``tun_delay.c`` does the same job (same arguments, same

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.testing.natlab.netns import NatLabError
+from p2ptrain.lab.natlab.netns import NatLabError
 
 __all__ = [
     "DENIED_PEER_RANGES",
