@@ -21,8 +21,9 @@ class Layer:
 
     Attributes:
         name: What the diagram calls it (a folder ends in ``/``).
-        prefixes: The module names it holds; a module belongs to the layer
-            with its longest matching prefix.
+        prefixes: The modules it holds, named inside the package (``""``
+            is the package itself); a module belongs to the layer with its
+            longest matching prefix.
         summary: What it does, in a line or two for the diagram.
     """
 
@@ -36,14 +37,7 @@ LAYERS: tuple[tuple[Layer, ...], ...] = (
     (
         Layer(
             "basics",
-            (
-                "p2ptrain",
-                "p2ptrain.errors",
-                "p2ptrain.aio",
-                "p2ptrain.metrics",
-                "p2ptrain.validate",
-                "p2ptrain.layers",
-            ),
+            ("", "errors", "aio", "metrics", "validate", "layers"),
             "errors.py aio.py metrics.py validate.py layers.py: the exception tree, the loop"
             " thread and the one owner of background tasks, the registry, config checks,"
             " this map",
@@ -52,7 +46,7 @@ LAYERS: tuple[tuple[Layer, ...], ...] = (
     (
         Layer(
             "wire/",
-            ("p2ptrain.wire",),
+            ("wire",),
             "frames (length prefix + msgpack header + raw payload), the record cipher"
             " (records.py), tensors, buffers",
         ),
@@ -60,7 +54,7 @@ LAYERS: tuple[tuple[Layer, ...], ...] = (
     (
         Layer(
             "transport/",
-            ("p2ptrain.transport",),
+            ("transport",),
             "FrameTransport: TCP (direct, hole-punched; bulk frames paced, pacing.py) and"
             " WebRTC data channels",
         ),
@@ -68,81 +62,81 @@ LAYERS: tuple[tuple[Layer, ...], ...] = (
     (
         Layer(
             "secure/",
-            ("p2ptrain.secure",),
+            ("secure",),
             "identity (Ed25519 keys, PeerID), the authenticated handshake, swarm keys",
         ),
     ),
     (
         Layer(
             "rpc/",
-            ("p2ptrain.rpc",),
+            ("rpc",),
             "Connection: multiplexed streams, flow control (a pure state, flow.py), deadlines",
         ),
     ),
-    (Layer("node/", ("p2ptrain.node",), "listener + connection pool, limits, memory release"),),
+    (Layer("node/", ("node",), "listener + connection pool, limits, memory release"),),
     (
         Layer(
             "measure/",
-            ("p2ptrain.measure",),
+            ("measure",),
             "the bandwidth probe, meters and estimates, RTTs",
         ),
         Layer(
             "dht/",
-            ("p2ptrain.dht",),
+            ("dht",),
             "Kademlia: routing table, lookups, signed expiring records",
         ),
     ),
     (
         Layer(
             "nat/",
-            ("p2ptrain.nat",),
+            ("nat",),
             "NAT traversal (STUN, signaling, hole punching, relay, path planning)",
         ),
         Layer(
             "allreduce/",
-            ("p2ptrain.allreduce",),
+            ("allreduce",),
             "matchmaking -> load-balancing LP -> butterfly reduce-scatter + all-gather",
         ),
     ),
     (
         Layer(
             "peer/",
-            ("p2ptrain.peer",),
+            ("peer",),
             "Peer: node + DHT + NAT + all-reduce on a background loop (what train/ uses)",
         ),
     ),
     (
         Layer(
             "train/",
-            ("p2ptrain.train",),
+            ("train",),
             "CollaborativeOptimizer, DiLoCo, progress in the DHT, state for late joiners",
         ),
     ),
     (
         Layer(
             "swarm/",
-            ("p2ptrain.swarm",),
+            ("swarm",),
             "SWARM pipeline: stage servers, trainers, wiring, rebalancing",
         ),
     ),
     (
         Layer(
             "lab/",
-            ("p2ptrain.lab",),
+            ("lab",),
             "labs users run: NAT lab, star lab, delay shim, simulated network, virtual"
             " clock, simulators",
         ),
-        Layer("examples/", ("p2ptrain.examples",), "the shipped charlm task"),
+        Layer("examples/", ("examples",), "the shipped charlm task"),
     ),
     (
         Layer(
             "app/",
-            ("p2ptrain.app", "p2ptrain.__main__"),
+            ("app", "__main__"),
             "the command line: cli.py and one module per command",
         ),
         Layer(
             "testing/",
-            ("p2ptrain.testing",),
+            ("testing",),
             "test doubles (memory transport, manual clock, echo), transport conformance,"
             " the NAT lab's pytest glue",
         ),
@@ -151,13 +145,16 @@ LAYERS: tuple[tuple[Layer, ...], ...] = (
 
 
 def layer_of(module: str) -> tuple[int, Layer] | None:
-    """The rank and layer of ``module`` (the longest matching prefix), or ``None``."""
+    """The rank and layer of ``module`` (a full name, e.g. ``p2ptrain.dht.node``), or ``None``."""
+    package, _, inside = module.partition(".")
+    if package != __package__:
+        return None
     best: tuple[int, int, Layer] | None = None
     for rank, siblings in enumerate(LAYERS):
         for layer in siblings:
             for prefix in layer.prefixes:
-                nested = prefix != "p2ptrain" and module.startswith(prefix + ".")
-                if (module == prefix or nested) and (best is None or len(prefix) > best[0]):
+                matches = inside == prefix or (prefix != "" and inside.startswith(prefix + "."))
+                if matches and (best is None or len(prefix) > best[0]):
                     best = (len(prefix), rank, layer)
     return None if best is None else (best[1], best[2])
 
