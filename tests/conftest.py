@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +205,21 @@ def stop_all(children: Iterable[ChildLines | None]) -> None:
         except subprocess.TimeoutExpired:
             child.process.kill()
             child.process.wait()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[ChildLines]]:
+    """Child processes a test starts; all are stopped when it ends."""
+    started: list[ChildLines] = []
+    yield started
+    stop_all(started)
+
+
+def started_bootstrap(procs: list[ChildLines], deadline: float) -> str:
+    """``p2ptrain bootstrap --port 0``, stopped with ``procs``; the address to join."""
+    boot = cli_process("bootstrap", "--port", "0")
+    procs.append(boot)
+    return join_address(boot, deadline)
 
 
 def join_address(boot: ChildLines, deadline: float) -> str:

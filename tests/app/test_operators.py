@@ -8,20 +8,12 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import ChildLines, cli_process, join_address, run_cli, stop_all
+from conftest import ChildLines, cli_process, join_address, run_cli, started_bootstrap
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
-
-
-@pytest.fixture
-def procs() -> Iterator[list[ChildLines]]:
-    started: list[ChildLines] = []
-    yield started
-    stop_all(started)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -110,9 +102,7 @@ def test_metrics_ports_of_a_trainer_and_a_bootstrap_and_status_json(
 @pytest.mark.slow
 def test_ctrl_c_ends_training_with_the_summary_and_exit_0(procs: list[ChildLines]) -> None:
     deadline = time.monotonic() + 90
-    boot = cli_process("bootstrap", "--port", "0")
-    procs.append(boot)
-    address = join_address(boot, deadline)
+    address = started_bootstrap(procs, deadline)
     peer = cli_process(
         "train", "--join", address, "--run-id", "int", "--seconds", "120", "--log-json", "-"
     )

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import queue
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import ChildLines, cli_process, join_address, run_cli, stop_all
+from conftest import ChildLines, cli_process, run_cli, started_bootstrap
 from test_task import documented_example
 
 from p2ptrain.app.cli import main
@@ -22,13 +21,6 @@ from p2ptrain.lab.timings import TRAINING_MATCHMAKING
 from p2ptrain.measure import payload_rate
 from p2ptrain.secure.identity import Identity
 from p2ptrain.train.progress import PeerProgress
-
-
-@pytest.fixture
-def procs() -> Iterator[list[ChildLines]]:
-    started: list[ChildLines] = []
-    yield started
-    stop_all(started)
 
 
 def _wait_for_joint_step(peer: ChildLines, deadline: float) -> dict[str, Any]:
@@ -44,9 +36,7 @@ def _wait_for_joint_step(peer: ChildLines, deadline: float) -> dict[str, Any]:
 
 def test_two_peers_train_and_status_lists_them(procs: list[ChildLines]) -> None:
     deadline = time.monotonic() + 120  # a deadline, not a wait: it ends at the first joint step
-    boot = cli_process("bootstrap", "--port", "0")
-    procs.append(boot)
-    address = join_address(boot, deadline)
+    address = started_bootstrap(procs, deadline)
     train_args = ("train", "--join", address, "--run-id", "t", "--seconds", "150")
     # A step of several reads of the progress records (min_fetch_interval): a
     # step shorter than a read is cut by extrapolation alone (p2ptrain/train/cut.py).
@@ -143,9 +133,7 @@ def test_train_runs_a_users_task_module(procs: list[ChildLines], tmp_path: Path)
     task_file = tmp_path / "my_task.py"
     task_file.write_text(documented_example())
     deadline = time.monotonic() + 60
-    boot = cli_process("bootstrap", "--port", "0")
-    procs.append(boot)
-    address = join_address(boot, deadline)
+    address = started_bootstrap(procs, deadline)
     peer = cli_process(
         "train", "--join", address, "--run-id", "own", "--task", str(task_file),
         "--seconds", "6", "--target-batch-size", "32", "--batch-size", "16",
@@ -203,9 +191,7 @@ def test_a_stopped_swarm_resumes_from_its_checkpoints(
     task_file = tmp_path / "my_task.py"
     task_file.write_text(documented_example())
     deadline = time.monotonic() + 150
-    boot = cli_process("bootstrap", "--port", "0")
-    procs.append(boot)
-    address = join_address(boot, deadline)
+    address = started_bootstrap(procs, deadline)
 
     def run(reach: list[int]) -> list[list[dict[str, Any]]]:
         """Train two peers until peer i reported global step ``reach[i]``, then
@@ -257,9 +243,7 @@ def test_one_model_per_run_through_the_command_line(
     other = tmp_path / "wide_task.py"
     other.write_text(documented_example().replace("Linear(8, 1)", "Linear(8, 3)"))
     deadline = time.monotonic() + 110
-    boot = cli_process("bootstrap", "--port", "0")
-    procs.append(boot)
-    address = join_address(boot, deadline)
+    address = started_bootstrap(procs, deadline)
     # Long enough that the wrong peer, started after them, finds them still in
     # the run on a loaded machine (its start alone took over 8 s at load 10).
     common = ["train", "--join", address, "--seconds", "25", "--target-batch-size", "32"]
