@@ -47,7 +47,8 @@ class Benchmark:
             minutes or of many processes that measure one issue each).
         quick: The workload of ``bench all --quick``: a smoke test of the
             report, not a measurement.
-        plot: It takes ``--png PATH``; ``bench all`` keeps the plot.
+        plot: ``bench all`` asks it for its plot (``--png PATH``) and shows
+            it in the report.
         hivemind: It takes ``--no-hivemind`` and ``--hivemind-python``
             (:func:`benchmarks.options.add_hivemind_arguments`).
         lab: What of it needs the NAT lab, or ``None``.

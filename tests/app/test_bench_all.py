@@ -46,6 +46,18 @@ def test_every_benchmark_flag_has_a_description_and_a_default(script: str) -> No
         assert "default" in shown, f"{script} {action.option_strings[0]}: no default shown"
 
 
+def test_the_flags_the_registry_names_are_the_benchmarks_own() -> None:
+    for bench in BENCHMARKS:
+        parser = program_parser(bench.module)
+        assert parser is not None, bench.module
+        flags = set(parser._option_string_actions)
+        named = {"--png"} if bench.plot else set()
+        named |= {"--no-hivemind", "--hivemind-python"} if bench.hivemind else set()
+        named |= {bench.lab.flag} if bench.lab is not None and bench.lab.flag else set()
+        named |= {flag for flag in bench.quick if flag.startswith("--")}
+        assert named <= flags, f"{bench.name}: no {sorted(named - flags)}"
+
+
 def test_without_the_lab_or_hivemind_the_plan_says_what_it_leaves_out(tmp_path: Path) -> None:
     reason = "needs CAP_NET_ADMIN (run as root) to build network namespaces"
     runs, skipped = plan(list(REPORT), out=tmp_path, quick=False, hivemind=None, lab_reason=reason)
