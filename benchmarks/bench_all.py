@@ -6,8 +6,9 @@ Usage::
         [--hivemind-python PATH]
     p2ptrain bench all --out DIR
 
-Runs each ``bench_*.py`` script in turn as a child process (the order of
-:data:`BENCHMARKS`), each with its default workload, and writes into ``DIR``:
+Runs each benchmark of the report (:data:`REPORT`, read from
+:mod:`benchmarks.registry`) in turn as a child process, each with its
+default workload, and writes into ``DIR``:
 
 * ``report.md``: the machine (CPU model, cores, memory, kernel, Python,
   torch, aiortc and hivemind versions, uvloop on or off, root or not), what
@@ -45,39 +46,17 @@ from benchmarks.harness import (
     DefaultsHelpFormatter,
     child_env,
     emit_json,
-    find_hivemind,
     module_argv,
     uvloop_available,
 )
+from benchmarks.options import add_hivemind_arguments, hivemind_of
+from benchmarks.registry import BENCHMARKS, by_name
 from p2ptrain.lab.natlab.netns import lab_unavailable
 
-BENCHMARKS = (
-    "transport",
-    "dht",
-    "allreduce",
-    "lp",
-    "training",
-    "compression",
-    "pipeline",
-    "webrtc",
-)
-"""Every benchmark, in the order they run (transport's table opens the report)."""
+REPORT: tuple[str, ...] = tuple(bench.name for bench in BENCHMARKS if bench.in_report)
+"""The benchmarks of the report, in the order they run (transport's table opens it)."""
 TIMEOUT_S = 3600.0
 """Seconds one benchmark may take before it is stopped."""
-
-QUICK_ARGS: dict[str, str] = {
-    "transport": "--megabytes 8 --repeats 1 --rtt-calls 200 --webrtc-seconds 1 "
-    "--webrtc-loss-seconds 2 --webrtc-repeats 1 --webrtc-loss-repeats 1",
-    "dht": "--nodes 12 --keys 10 --throughput-nodes 4 --throughput-gets 20",
-    "allreduce": "--sizes 1 --repeats 1 --peers 2 --hetero-mb 1",
-    "lp": "--sizes 8 --resolves 2",
-    "training": "--peers 2 --steps 2 --rounds 1 --inner-steps 2 --single-batches 4",
-    "compression": "--steps 2 --eval-windows 8",
-    "pipeline": "--width 128 --steps 2 --warmup 1 --loss-steps 4 --sim-periods 2"
-    " --sim256-peers 16 --sim256-periods 2 --skip b,b-torch,c-real",
-    "webrtc": "--seconds 1 --loss-seconds 2 --repeats 1",
-}
-"""Workloads of ``--quick``: a smoke test of the report, not a measurement."""
 
 
 @dataclass
@@ -144,33 +123,35 @@ def machine(hivemind_note: str, lab_reason: str | None) -> dict[str, Any]:
 
 
 def plan(
-    names: list[str], *, out: Path, quick: bool, hivemind: str | None, lab_reason: str | None
+    names: list[str],
+    *,
+    out: Path,
+    quick: bool,
+    hivemind: str | None,
+    lab_reason: str | None,
+    hivemind_note: str = "hivemind is not importable",
 ) -> tuple[list[Outcome], list[str]]:
-    """The runs to make, and the lines saying what is skipped and why."""
+    """The runs to make, and the lines saying what is skipped and why (``hivemind_note``:
+    why hivemind is left out where ``hivemind`` is None)."""
     runs: list[Outcome] = []
     skipped: list[str] = []
     for name in names:
-        argv = module_argv(f"benchmarks.bench_{name}", *(QUICK_ARGS[name].split() if quick else []))
+        bench = by_name(name)
+        argv = module_argv(bench.module, *(bench.quick if quick else ()))
         run = Outcome(name, argv)
-        if name == "webrtc" and lab_reason is not None:
-            skipped.append(f"webrtc: needs the NAT lab: {lab_reason}")
-            continue
-        if name == "transport":
-            argv += ["--png", str(out / "transport.png")]
-            if lab_reason is not None:
-                argv.append("--no-webrtc")
-                run.notes.append(f"WebRTC rows left out: NAT lab {lab_reason}")
-                skipped.append(f"transport, WebRTC rows: NAT lab {lab_reason}")
-        if name == "allreduce":
-            argv += ["--png", str(out / "allreduce.png")]
-            if lab_reason is not None:
-                argv.append("--skip-hetero")
-                run.notes.append(f"shaped-link part left out: NAT lab {lab_reason}")
-                skipped.append(f"allreduce, shaped links: NAT lab {lab_reason}")
-        if name in ("dht", "allreduce"):
+        if bench.lab is not None and lab_reason is not None:
+            if bench.lab.flag is None:
+                skipped.append(f"{name}: needs the NAT lab: {lab_reason}")
+                continue
+            argv.append(bench.lab.flag)
+            run.notes.append(f"{bench.lab.what} left out: NAT lab {lab_reason}")
+            skipped.append(f"{name}, {bench.lab.what}: NAT lab {lab_reason}")
+        if bench.plot:
+            argv += ["--png", str(out / f"{name}.png")]
+        if bench.hivemind:
             if hivemind is None:
                 argv.append("--no-hivemind")
-                skipped.append(f"{name}, hivemind columns: hivemind is not importable")
+                skipped.append(f"{name}, hivemind columns: {hivemind_note}")
             else:
                 argv += ["--hivemind-python", hivemind]
         runs.append(run)
@@ -276,8 +257,8 @@ def report(
 def _short(argv: list[str], out: Path) -> str:
     """A benchmark's command line as the reader would type it (files in ``out`` by name)."""
     inside = str(out.resolve()) + os.sep
-    shown = ["python", f"benchmarks/{Path(argv[1]).name}"]
-    for arg in argv[2:]:
+    shown = ["python", *argv[1:3]]  # -m benchmarks.bench_NAME
+    for arg in argv[3:]:
         resolved = str(Path(arg).resolve()) if "/" in arg else ""
         shown.append(Path(arg).name if resolved.startswith(inside) else arg)
     return " ".join(shown)
@@ -290,21 +271,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", required=True, help="directory for report.md, tables, PNGs, JSON")
     parser.add_argument(
-        "--only", default=",".join(BENCHMARKS), help="comma-separated benchmarks to run"
+        "--only", default=",".join(REPORT), help="comma-separated benchmarks to run"
     )
     parser.add_argument(
         "--quick", action="store_true", help="tiny workloads: checks the report, measures nothing"
     )
-    parser.add_argument(
-        "--hivemind-python",
-        help="interpreter that can import hivemind (default: this one, if it can)",
-    )
+    add_hivemind_arguments(parser, part=" of every benchmark")
     args = parser.parse_args(argv)
     names = [name for name in args.only.split(",") if name]
-    unknown = sorted(set(names) - set(BENCHMARKS))
+    unknown = sorted(set(names) - set(REPORT))
     if unknown or not names:
-        parser.error(f"--only takes names from {', '.join(BENCHMARKS)}; got {args.only!r}")
-    args.names = [name for name in BENCHMARKS if name in names]
+        parser.error(f"--only takes names from {', '.join(REPORT)}; got {args.only!r}")
+    args.names = [name for name in REPORT if name in names]
     return args
 
 
@@ -314,11 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    hivemind, hivemind_note = find_hivemind(args.hivemind_python)
+    hivemind, hivemind_note = hivemind_of(args)
     lab_reason = lab_unavailable()
     facts = machine(hivemind_note, lab_reason)
     runs, skipped = plan(
-        args.names, out=out, quick=args.quick, hivemind=hivemind, lab_reason=lab_reason
+        args.names,
+        out=out,
+        quick=args.quick,
+        hivemind=hivemind,
+        lab_reason=lab_reason,
+        hivemind_note=hivemind_note,
     )
     for line in skipped:
         print(f"skipped: {line}", file=sys.stderr, flush=True)

@@ -82,7 +82,6 @@ from benchmarks.allreduce.runner import (
     run_round,
 )
 from benchmarks.allreduce.systems import (
-    find_hivemind_python,
     free_port,
     p2ptrain_plan,
     p2ptrain_prepares,
@@ -92,6 +91,12 @@ from benchmarks.allreduce.systems import (
     vector_prepares,
 )
 from benchmarks.harness import DefaultsHelpFormatter, emit_json, uvloop_available
+from benchmarks.options import (
+    add_hivemind_arguments,
+    add_json_only_argument,
+    add_plot_argument,
+    hivemind_of,
+)
 from p2ptrain.allreduce import GroupPlan
 from p2ptrain.allreduce.group import DEFAULT_CHUNK_ELEMENTS
 from p2ptrain.lab.natlab.netns import lab_unavailable, python_env
@@ -282,8 +287,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="log each p2ptrain peer's start offset, phases and CPU in every loopback round",
     )
-    parser.add_argument("--hivemind-python", help="interpreter with hivemind installed")
-    parser.add_argument("--no-hivemind", action="store_true", help="leave hivemind out")
+    add_hivemind_arguments(parser)
     parser.add_argument(
         "--no-plaintext",
         dest="plaintext_rows",
@@ -317,8 +321,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--skip-adaptive", action="store_true", help="leave out the measured/throttle/RTT scenarios"
     )
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one round may take")
-    parser.add_argument("--png", default="allreduce.png", help="where to write the plot")
-    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    add_plot_argument(parser, "the plot", default="allreduce.png")
+    add_json_only_argument(parser)
     args = parser.parse_args(argv)
     try:
         args.sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
@@ -384,9 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     series = [] if args.shaped_only else measure_p2ptrain_and_gloo(args)
     python, hivemind_note = (
-        (None, "hivemind skipped (--no-hivemind)")
-        if args.no_hivemind or args.shaped_only
-        else find_hivemind_python(args.hivemind_python)
+        (None, "hivemind skipped (--shaped-only)") if args.shaped_only else hivemind_of(args)
     )
     hivemind_error = None
     if python is not None:
@@ -397,6 +399,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             hivemind_note = f"hivemind failed: {exc}"
     _log(args, hivemind_note)
 
+    shaped: dict[str, Any] = {  # the workload of both shaped-link parts
+        "vector_bytes": int(args.hetero_mb * MiB) // 4 * 4,
+        "chunk_bytes": args.hetero_chunk_kib * 1024,
+        "repeats": args.hetero_repeats,
+        "timeout": args.timeout,
+        "log": lambda text: _log(args, text),
+        "pacing": args.pacing,
+    }
     hetero_result: HeteroResult | None = None
     hetero_note = None
     if args.skip_hetero:
@@ -404,24 +414,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif (reason := lab_unavailable(turn=False)) is not None:
         hetero_note = f"skipped: {reason}"
     else:
-        hetero_result = run_hetero(
-            vector_bytes=int(args.hetero_mb * MiB) // 4 * 4,
-            chunk_bytes=args.hetero_chunk_kib * 1024,
-            repeats=args.hetero_repeats,
-            timeout=args.timeout,
-            log=lambda text: _log(args, text),
-            pacing=args.pacing,
-        )
+        hetero_result = run_hetero(**shaped)
     adaptive = None
     if hetero_result is not None and not args.skip_adaptive:
-        adaptive = run_adaptive(
-            vector_bytes=int(args.hetero_mb * MiB) // 4 * 4,
-            chunk_bytes=args.hetero_chunk_kib * 1024,
-            repeats=args.hetero_repeats,
-            timeout=args.timeout,
-            log=lambda text: _log(args, text),
-            pacing=args.pacing,
-        )
+        adaptive = run_adaptive(**shaped)
     ratios = loopback_report(args, series, hivemind_note) if series else {}
     if args.profile_dir and not args.json_only:
         profile_report(args, series)

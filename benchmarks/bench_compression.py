@@ -27,12 +27,14 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import DefaultsHelpFormatter
+from benchmarks.options import add_plot_argument
 from p2ptrain.allreduce.config import AllReduceConfig
-from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.app.task import load_task, lr_schedule
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.examples.charlm.data import load_corpus
 from p2ptrain.examples.charlm.model import ModelConfig, loss
+from p2ptrain.lab.timings import TRAINING_MATCHMAKING
 from p2ptrain.peer import Peer, PeerConfig
 from p2ptrain.train.config import TrainerConfig
 from p2ptrain.train.optimizer import CollaborativeOptimizer
@@ -45,7 +47,6 @@ CONFIGS = (
     ("int8", "int8", False),
     ("int8+ef", "int8", True),
 )
-MATCHMAKING = MatchmakingConfig(window=2.0, poll_interval=0.05, ready_timeout=2.0, plan_timeout=5.0)
 PROGRESS = ProgressConfig(
     publish_interval=0.05, heartbeat_interval=1.0, min_fetch_interval=0.05, max_fetch_interval=0.5
 )
@@ -68,12 +69,14 @@ def held_out(model: torch.nn.Module, windows: torch.Tensor) -> float:
 
 
 def train_one(name: str, codec: str, feedback: bool, args: argparse.Namespace) -> Row:
-    first = Peer(PeerConfig(dht=DHTNodeConfig(), matchmaking=MATCHMAKING, probe_seconds=None))
+    first = Peer(
+        PeerConfig(dht=DHTNodeConfig(), matchmaking=TRAINING_MATCHMAKING, probe_seconds=None)
+    )
     first.start()
     second = Peer(
         PeerConfig(
             dht=DHTNodeConfig(initial_peers=(first.address,)),
-            matchmaking=MATCHMAKING,
+            matchmaking=TRAINING_MATCHMAKING,
             probe_seconds=None,
         )
     )
@@ -156,7 +159,7 @@ def plot(rows: list[Row], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--steps", type=int, default=150, help="global steps per configuration")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per local batch")
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds one configuration may take"
     )
-    parser.add_argument("--png", help="also plot loss against bytes to this PNG file")
+    add_plot_argument(parser, "loss against bytes")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []

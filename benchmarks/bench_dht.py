@@ -56,12 +56,17 @@ from benchmarks.harness import (
     DefaultsHelpFormatter,
     child_env,
     emit_json,
-    find_hivemind,
     format_table,
     module_argv,
     percentile,
     run,
-    uvloop_available,
+)
+from benchmarks.options import (
+    add_hivemind_arguments,
+    add_json_only_argument,
+    add_role_argument,
+    add_uvloop_argument,
+    hivemind_of,
 )
 
 OP_TIMEOUT = 30.0
@@ -334,13 +339,6 @@ async def measure(swarm_type: type[Swarm], args: argparse.Namespace) -> dict[str
 # -- hivemind in its own interpreter --------------------------------------------------------
 
 
-def find_hivemind_python(args: argparse.Namespace) -> tuple[str | None, str]:
-    """The interpreter to run hivemind with, and a line saying what was found."""
-    if args.no_hivemind:
-        return None, "hivemind skipped (--no-hivemind)"
-    return find_hivemind(args.hivemind_python)
-
-
 def run_hivemind(python: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload on hivemind in a subprocess; its result dict (or an error)."""
     argv = module_argv(
@@ -492,18 +490,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--throughput-gets", type=int, default=500, help="gets per mode")
     parser.add_argument("--in-flight", type=int, default=10, help="concurrent gets")
     parser.add_argument("--seed", type=int, default=1, help="random seed of the workload")
-    parser.add_argument("--hivemind-python", help="interpreter that can import hivemind")
-    parser.add_argument("--no-hivemind", action="store_true", help="skip hivemind")
-    parser.add_argument(
-        "--uvloop",
-        action=argparse.BooleanOptionalAction,
-        default=uvloop_available(),
-        help="run the event loop on uvloop (default: when installed)",
-    )
-    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
-    parser.add_argument(
-        "--role", choices=["bench", "hivemind"], default="bench", help=argparse.SUPPRESS
-    )
+    add_hivemind_arguments(parser)
+    add_uvloop_argument(parser)
+    add_json_only_argument(parser)
+    add_role_argument(parser, "hivemind")
     args = parser.parse_args(argv)
     if args.nodes < 2 or args.keys < 1 or args.throughput_nodes < 1 or args.in_flight < 1:
         parser.error("need at least 2 nodes, 1 key, 1 throughput node and 1 get in flight")
@@ -520,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.disable(logging.WARNING)  # hivemind logs every failed peer while churning
         emit_json(run(measure(HivemindSwarm, args), use_uvloop=args.uvloop))
         return 0
-    python, status = find_hivemind_python(args)
+    python, status = hivemind_of(args)
     if not args.json_only:
         print(f"running p2ptrain ({args.nodes} nodes) ...", flush=True)
     ours = run(measure(P2PTrainSwarm, args), use_uvloop=args.uvloop)

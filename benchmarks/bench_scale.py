@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import DefaultsHelpFormatter, JsonChild, emit_json, format_table
+from benchmarks.options import add_plot_argument
 
 # -- one simulated size (child process) -------------------------------------------------------
 
@@ -343,7 +344,7 @@ def main() -> None:
     )
     parser.add_argument("--no-real", action="store_true", help="skip the real-process run")
     parser.add_argument("--no-sim", action="store_true", help="skip the simulation")
-    parser.add_argument("--png", help="also draw step time and bytes against N")
+    add_plot_argument(parser, "step time and bytes against N")
     parser.add_argument(
         "--sim-rows", help="take the simulation rows from earlier runs' output files (a,b)"
     )

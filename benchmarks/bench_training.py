@@ -54,7 +54,7 @@ synchronous, overlapped and DiLoCo trainers and with hivemind.Optimizer
 printed reason where it cannot import hivemind, or with ``--no-hivemind``),
 and reports per
 system samples/s, communication fraction, MB sent per peer and the time to
-a fixed held-out loss, with ratios against hivemind (``training_wan/runner.py``)::
+a fixed held-out loss, with ratios against hivemind (``training/runner.py``)::
 
     python -m benchmarks.bench_training --wan [--steps 20] [--png wan.png] \
         [--hivemind-python PATH]
@@ -70,7 +70,7 @@ import time
 from typing import Any
 
 from benchmarks.harness import DefaultsHelpFormatter, JsonChild, emit_json, format_table
-from benchmarks.training_wan.runner import add_wan_arguments, run_wan
+from benchmarks.training.runner import add_wan_arguments, run_wan
 
 START_TIMEOUT = 120.0
 
@@ -125,8 +125,8 @@ def run_single(job: dict[str, Any]) -> dict[str, Any]:
 
 def run_peer(job: dict[str, Any]) -> dict[str, Any]:
     """One peer of a swarm; trains from "go" on stdin until the goal step."""
-    from p2ptrain.allreduce.matchmaking import MatchmakingConfig
     from p2ptrain.dht.node_config import DHTNodeConfig
+    from p2ptrain.lab.timings import TRAINING_MATCHMAKING
     from p2ptrain.peer import Peer, PeerConfig
     from p2ptrain.train import (
         CollaborativeOptimizer,
@@ -147,7 +147,7 @@ def run_peer(job: dict[str, Any]) -> dict[str, Any]:
     )
     peer_config = PeerConfig(
         dht=DHTNodeConfig(initial_peers=tuple(job["initial_peers"])),
-        matchmaking=MatchmakingConfig(window=2.0, poll_interval=0.05, plan_timeout=5.0),
+        matchmaking=TRAINING_MATCHMAKING,
     )
     with Peer(peer_config) as peer:
         _emit({"address": peer.address})
@@ -266,11 +266,11 @@ def run_equivalence_peer(job: dict[str, Any]) -> dict[str, Any]:
     """One peer of an equivalence swarm; trains the charlm task until the goal step."""
     import torch
 
-    from p2ptrain.allreduce.matchmaking import MatchmakingConfig
     from p2ptrain.app.task import load_task, lr_schedule
     from p2ptrain.app.train import TrainingSessionConfig
     from p2ptrain.dht.node_config import DHTNodeConfig
     from p2ptrain.examples.charlm.model import evaluate
+    from p2ptrain.lab.timings import TRAINING_MATCHMAKING
     from p2ptrain.peer import Peer, PeerConfig
     from p2ptrain.train import CollaborativeOptimizer, TrainerConfig
 
@@ -279,7 +279,7 @@ def run_equivalence_peer(job: dict[str, Any]) -> dict[str, Any]:
     schedule = lr_schedule(task)
     peer_config = PeerConfig(
         dht=DHTNodeConfig(initial_peers=tuple(job["initial_peers"])),
-        matchmaking=MatchmakingConfig(window=2.0, poll_interval=0.05, plan_timeout=5.0),
+        matchmaking=TRAINING_MATCHMAKING,
     )
     keep = job["shard"] == 0  # this peer keeps the parameters of every step for the losses
     params = list(task.model.parameters())

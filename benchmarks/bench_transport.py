@@ -67,26 +67,22 @@ with a ``*_cpu_s_per_GB``, and ``webrtc_ratio`` / ``webrtc_loss_ratio``
 (median of the per-repeat tuned/stock ratios). Units: 1 MB = 1 MiB = 2**20
 bytes, so ``rpc_MBps`` is MiB/s.
 
-Adding a loopback transport means writing a server coroutine and a
-:class:`PathClient`, and adding one :class:`BenchPath` to :data:`PATHS`; it
-then shows up as one more row.
+The paths live in ``benchmarks/transport/`` (``path.py``: the workload and
+the client interface; ``rpc.py``; ``raw.py``). Adding a loopback transport
+means writing a server coroutine and a :class:`~benchmarks.transport.path.PathClient`
+there, and adding one :class:`~benchmarks.transport.path.BenchPath` to
+:data:`PATHS`; it then shows up as one more row.
 """
 
 from __future__ import annotations
 
-import abc
 import argparse
-import asyncio
 import contextlib
-import ctypes
 import math
-import socket
-import struct
 import sys
-import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -104,544 +100,26 @@ from benchmarks.harness import (
     plot_bars,
     run,
     uvloop_available,
-    wait_for_stdin_eof,
+)
+from benchmarks.options import (
+    add_json_only_argument,
+    add_plot_argument,
+    add_role_argument,
+    add_uvloop_argument,
+)
+from benchmarks.transport.path import MAX_CHUNK_BYTES, BenchPath, BulkRun, MiB, Workload
+from benchmarks.transport.raw import RawClient, serve_raw
+from benchmarks.transport.rpc import (
+    InlineCryptoRPCClient,
+    PlaintextRPCClient,
+    RPCClient,
+    serve_rpc,
+    serve_rpc_inline_crypto,
+    serve_rpc_plaintext,
 )
 from p2ptrain.lab import bulk_echo
 from p2ptrain.lab.natlab.netns import lab_unavailable
 from p2ptrain.lab.starlab import LinkSpec, StarLab
-from p2ptrain.node.address import PeerAddress
-from p2ptrain.node.config import NodeConfig
-from p2ptrain.node.memory import release_unused_memory
-from p2ptrain.node.node import Node
-from p2ptrain.rpc.config import ConnectionConfig
-from p2ptrain.rpc.handlers import CallContext, Message
-from p2ptrain.rpc.stream import RPCStream
-from p2ptrain.secure.handshake import perform_handshake
-from p2ptrain.transport.tcp import tcp_connect
-from p2ptrain.wire.tensors import decode_tensor, encode_tensor
-
-MiB = 1 << 20
-GiB = 1 << 30
-RUN_TIMEOUT = 300.0
-"""Seconds one bulk run or one round-trip series may take before the benchmark gives up."""
-
-POOL_SIZE = 4
-"""Distinct chunks the sender cycles through (so the checksum also catches reordering)."""
-CHECKSUM_SAMPLES = 8
-"""Elements of each chunk that enter the checksum (kept small: it runs inside the timing)."""
-MAX_CHUNK_BYTES = 16 * MiB
-
-SINK_METHOD = "bench.sink"
-ECHO_METHOD = "bench.echo"
-CPU_METHOD = "bench.cpu"
-RTT_BODY = b"ping"
-
-WRITE_HIGH_WATER = ConnectionConfig().write_high_water
-"""The raw path uses the same send-buffer high-water mark as the RPC layer."""
-RAW_READ_BYTES = 256 * 1024
-"""The raw receiver's reusable read buffer; the same size as p2ptrain's TCP read buffer."""
-RAW_PREAMBLE = struct.Struct(">BQ")  # mode, total bytes that follow (bulk only)
-RAW_ACK = struct.Struct(">Qd")  # bytes counted, receiver CPU seconds
-RAW_CPU = struct.Struct(">d")  # reply to RAW_STATS: server CPU seconds so far
-RAW_BULK, RAW_ECHO, RAW_STATS = 1, 2, 3
-RAW_ECHO_BYTES = 16
-
-
-# -- workload ------------------------------------------------------------------------------
-
-
-def chunk_checksum(index: int, tensor: torch.Tensor) -> float:
-    """A cheap order-sensitive checksum term: a few sampled elements, weighted by position."""
-    step = max(1, tensor.numel() // CHECKSUM_SAMPLES)
-    return (index + 1) * float(tensor[::step].sum(dtype=torch.float64))
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The bytes of one bulk run: ``total_bytes`` as float32 chunks of ``chunk_bytes``."""
-
-    total_bytes: int
-    chunk_bytes: int
-    pool: tuple[torch.Tensor, ...]
-
-    @classmethod
-    def make(cls, total_bytes: int, chunk_bytes: int) -> Workload:
-        """Random chunks from a fixed seed, reused cyclically."""
-        if chunk_bytes <= 0 or chunk_bytes % 4:
-            raise ValueError("chunk_bytes must be a positive multiple of 4")
-        if total_bytes <= 0 or total_bytes % 4:
-            raise ValueError("total_bytes must be a positive multiple of 4")
-        gen = torch.Generator().manual_seed(20240601)
-        size = min(chunk_bytes, total_bytes) // 4
-        pool = tuple(torch.randn(size, generator=gen) for _ in range(POOL_SIZE))
-        return cls(total_bytes, chunk_bytes, pool)
-
-    @property
-    def chunks(self) -> int:
-        """Number of chunks (the last one may be shorter)."""
-        return -(-self.total_bytes // self.chunk_bytes)
-
-    def chunk(self, index: int) -> torch.Tensor:
-        """The tensor sent as chunk ``index``."""
-        tensor = self.pool[index % len(self.pool)]
-        tail = self.total_bytes - index * self.chunk_bytes
-        return tensor if tail >= self.chunk_bytes else tensor[: tail // 4]
-
-    def checksum(self) -> float:
-        """The checksum the receiver must report."""
-        return sum(chunk_checksum(i, self.chunk(i)) for i in range(self.chunks))
-
-
-@dataclass(frozen=True)
-class BulkRun:
-    """One timed bulk transfer."""
-
-    seconds: float
-    nbytes: int
-    sender_cpu: float
-    receiver_cpu: float
-
-    @property
-    def mib_per_s(self) -> float:
-        """Throughput in MiB/s."""
-        return self.nbytes / MiB / self.seconds
-
-    def cpu_per_gib(self, cpu: float) -> float:
-        """``cpu`` seconds scaled to one GiB of payload."""
-        return cpu / (self.nbytes / GiB)
-
-
-class BenchmarkError(RuntimeError):
-    """The receiver reported something other than what was sent."""
-
-
-# -- the path interface --------------------------------------------------------------------
-
-
-class PathClient(abc.ABC):
-    """The sending/calling side of one path, run in the benchmark's main process."""
-
-    @abc.abstractmethod
-    async def connect(self, address: str) -> None:
-        """Connect to the server that announced ``address`` (not timed)."""
-
-    @abc.abstractmethod
-    async def bulk(self, work: Workload) -> BulkRun:
-        """Send ``work`` once, timed from the first send to the receiver's acknowledgement."""
-
-    @abc.abstractmethod
-    async def round_trips(self, calls: int) -> list[float]:
-        """``calls`` sequential tiny request/response exchanges; each duration in µs."""
-
-    @abc.abstractmethod
-    async def server_cpu(self) -> float:
-        """CPU seconds the server process has used so far (asked over the path itself)."""
-
-    @abc.abstractmethod
-    async def aclose(self) -> None:
-        """Close every connection."""
-
-
-ServeFn = Callable[[Callable[[str], None]], Coroutine[Any, Any, None]]
-"""A server role: start serving, call ``ready(address)``, return once told to stop."""
-
-
-@dataclass(frozen=True)
-class BenchPath:
-    """One row of the results: a server role plus the client that talks to it."""
-
-    key: str
-    label: str
-    serve: ServeFn
-    client: Callable[[], PathClient]
-
-
-# -- p2ptrain RPC over TCP -----------------------------------------------------------------
-
-
-def _buffer_address(buf: Any) -> int | None:
-    """Address of a writable buffer's first byte (None for read-only or empty ones)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    except (TypeError, ValueError):
-        return None
-
-
-async def _rpc_sink(context: CallContext, stream: RPCStream) -> None:
-    cpu_start = cpu_seconds()
-    total = 0
-    checksum = 0.0
-    zero_copy: bool | None = None
-    index = 0
-    async for message in stream:
-        body = message.body
-        if not isinstance(body, dict) or body.get("i") != index:
-            raise BenchmarkError(f"chunk {index} arrived out of order: {body!r:.80}")
-        tensor = decode_tensor(body["t"], message.payload)
-        if zero_copy is None:
-            zero_copy = tensor.data_ptr() == _buffer_address(message.payload)
-        total += tensor.numel() * tensor.element_size()
-        checksum += chunk_checksum(index, tensor)
-        index += 1
-    ack = {"n": total, "c": checksum, "z": bool(zero_copy), "cpu": cpu_seconds() - cpu_start}
-    await stream.send(ack, end=True)
-
-
-async def _rpc_echo(context: CallContext, request: Message) -> Message:
-    return Message(request.body)
-
-
-async def _rpc_cpu(context: CallContext, request: Message) -> Message:
-    return Message(cpu_seconds())
-
-
-def _node_config(*, plaintext: bool, inline_crypto: bool = False) -> NodeConfig:
-    if not inline_crypto:
-        return NodeConfig(insecure_plaintext=plaintext)
-    return NodeConfig(
-        insecure_plaintext=plaintext, connection=ConnectionConfig(crypto_offload_bytes=None)
-    )
-
-
-async def serve_rpc(
-    ready: Callable[[str], None], *, plaintext: bool = False, inline_crypto: bool = False
-) -> None:
-    """Server role of the ``rpc`` path: a Node serving the sink and the echo."""
-    async with Node(config=_node_config(plaintext=plaintext, inline_crypto=inline_crypto)) as node:
-        node.handlers.add_stream(SINK_METHOD, _rpc_sink)
-        node.handlers.add_unary(ECHO_METHOD, _rpc_echo)
-        node.handlers.add_unary(CPU_METHOD, _rpc_cpu)
-        release_unused_memory()  # see RPCClient.connect
-        ready(str(node.address))
-        await wait_for_stdin_eof()
-
-
-class RPCClient(PathClient):
-    """Client of the ``rpc`` path: one Node, one pooled connection to the server."""
-
-    plaintext = False
-    """Whether the connection runs with ``insecure_plaintext`` (no records)."""
-    inline_crypto = False
-    """Whether all AES-GCM work stays on the event loop (``crypto_offload_bytes=None``)."""
-
-    def __init__(self) -> None:
-        self._node: Node | None = None
-        self._address: PeerAddress | None = None
-        self.zero_copy_decode: bool | None = None
-
-    async def connect(self, address: str) -> None:
-        # Parsed once, as a caller holding a PeerAddress would: Node.call(str) re-parses the
-        # text (base32 PeerID included) on every call.
-        self._address = PeerAddress.parse(address)
-        self._node = Node(
-            config=_node_config(plaintext=self.plaintext, inline_crypto=self.inline_crypto)
-        )
-        await self._node.start()
-        # The node's first memory pass (10 s after its start) is a full garbage
-        # collection of everything torch and the package allocated, 0.4-0.8 s
-        # with the event loop blocked, once per process: run it now, untimed,
-        # instead of in the middle of one of the timed runs.
-        release_unused_memory()
-        await self._node.connect(self._address)
-
-    def _started(self) -> tuple[Node, PeerAddress]:
-        if self._node is None or self._address is None:
-            raise RuntimeError("connect() first")
-        return self._node, self._address
-
-    async def bulk(self, work: Workload) -> BulkRun:
-        node, address = self._started()
-        expected = work.checksum()
-        count = work.chunks
-        async with asyncio.timeout(RUN_TIMEOUT):
-            stream = await node.open_stream(address, SINK_METHOD)
-            async with stream:
-                cpu_start = cpu_seconds()
-                start = time.perf_counter()
-                for i in range(count):
-                    header, payload = encode_tensor(work.chunk(i))
-                    await stream.send({"i": i, "t": header}, payload, end=i == count - 1)
-                ack = (await stream.recv()).body
-                seconds = time.perf_counter() - start
-                cpu = cpu_seconds() - cpu_start
-        if ack["n"] != work.total_bytes or not math.isclose(
-            ack["c"], expected, rel_tol=1e-9, abs_tol=1e-9
-        ):
-            raise BenchmarkError(
-                f"receiver got {ack['n']} bytes with checksum {ack['c']!r}, "
-                f"sent {work.total_bytes} with checksum {expected!r}"
-            )
-        self.zero_copy_decode = bool(ack["z"])
-        return BulkRun(seconds, work.total_bytes, cpu, float(ack["cpu"]))
-
-    async def round_trips(self, calls: int) -> list[float]:
-        node, address = self._started()
-        durations = []
-        clock = time.perf_counter_ns
-        async with asyncio.timeout(RUN_TIMEOUT):
-            for _ in range(calls):
-                start = clock()
-                reply = await node.call(address, ECHO_METHOD, RTT_BODY)
-                durations.append((clock() - start) / 1000)
-                if reply.body != RTT_BODY:
-                    raise BenchmarkError(f"echo returned {reply.body!r}")
-        return durations
-
-    async def server_cpu(self) -> float:
-        node, address = self._started()
-        reply = await node.call(address, CPU_METHOD, timeout=RUN_TIMEOUT)
-        return float(reply.body)
-
-    async def handshakes(self, count: int) -> list[float]:
-        """Milliseconds of ``count`` fresh handshakes with the server (TCP connect excluded)."""
-        node, address = self._started()
-        conn = node.config.connection
-        durations = []
-        async with asyncio.timeout(RUN_TIMEOUT):
-            for _ in range(count):
-                transport = await tcp_connect(
-                    address.host,
-                    address.port,
-                    timeout=node.config.dial_timeout,
-                    max_frame_bytes=conn.max_frame_bytes,
-                    max_header_bytes=conn.max_header_bytes,
-                    write_high_water=conn.write_high_water,
-                )
-                start = time.perf_counter()
-                await perform_handshake(
-                    transport,
-                    node.identity,
-                    initiator=True,
-                    swarm=node.config.swarm,
-                    stream_window=conn.stream_window,
-                    max_frame_bytes=conn.max_frame_bytes,
-                    policy=node.config.admission,
-                    expected_peer=address.peer_id,
-                    timeout=conn.handshake_timeout,
-                )
-                durations.append((time.perf_counter() - start) * 1000)
-                await transport.aclose()
-        return durations
-
-    async def aclose(self) -> None:
-        if self._node is not None:
-            await self._node.aclose()
-            self._node = None
-
-
-async def serve_rpc_plaintext(ready: Callable[[str], None]) -> None:
-    """Server role of the ``rpc-plaintext`` path (``--insecure-plaintext``)."""
-    await serve_rpc(ready, plaintext=True)
-
-
-class PlaintextRPCClient(RPCClient):
-    """Client of the ``rpc-plaintext`` path: frames after the handshake unsealed."""
-
-    plaintext = True
-
-
-async def serve_rpc_inline_crypto(ready: Callable[[str], None]) -> None:
-    """Server role of the ``rpc-inline-crypto`` path (no crypto worker threads)."""
-    await serve_rpc(ready, inline_crypto=True)
-
-
-class InlineCryptoRPCClient(RPCClient):
-    """Client of the ``rpc-inline-crypto`` path: encrypted, every AES-GCM pass on the loop."""
-
-    inline_crypto = True
-
-
-# -- raw asyncio socket baseline -----------------------------------------------------------
-
-
-def _set_nodelay(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class _RawServerProtocol(asyncio.BufferedProtocol):
-    """Reads a preamble, then counts ``total`` bytes and acks, echoes, or reports its CPU."""
-
-    def __init__(self) -> None:
-        self._view = memoryview(bytearray(RAW_READ_BYTES))
-        self._preamble = bytearray()
-        self._mode = 0
-        self._total = 0
-        self._remaining = 0
-        self._cpu_start = 0.0
-        self._transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports do not inherit from asyncio.Transport: no isinstance check.
-        self._transport = cast(asyncio.Transport, transport)
-        _set_nodelay(transport)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._view
-
-    def buffer_updated(self, nbytes: int) -> None:
-        transport = self._transport
-        if transport is None:  # pragma: no cover - set before any data
-            return
-        data = self._view[:nbytes]
-        if not self._mode:
-            need = RAW_PREAMBLE.size - len(self._preamble)
-            self._preamble += data[:need]
-            data = data[need:]
-            if len(self._preamble) < RAW_PREAMBLE.size:
-                return
-            self._mode, self._total = RAW_PREAMBLE.unpack(self._preamble)
-            self._remaining = self._total
-            self._cpu_start = cpu_seconds()
-            if self._mode == RAW_STATS:
-                transport.write(RAW_CPU.pack(self._cpu_start))
-        if self._mode == RAW_STATS:
-            return
-        if self._mode == RAW_ECHO:
-            if len(data):
-                transport.write(bytes(data))
-            return
-        self._remaining -= len(data)
-        if self._remaining < 0:
-            transport.abort()
-        elif self._remaining == 0 and len(data):
-            transport.write(RAW_ACK.pack(self._total, cpu_seconds() - self._cpu_start))
-
-
-async def serve_raw(ready: Callable[[str], None]) -> None:
-    """Server role of the ``raw`` path: a bare asyncio listener."""
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(_RawServerProtocol, "127.0.0.1", 0)
-    async with server:
-        host, port = server.sockets[0].getsockname()[:2]
-        ready(f"{host}:{port}")
-        await wait_for_stdin_eof()
-
-
-class _RawClientProtocol(asyncio.Protocol):
-    """Flow-controlled writes plus ``read_exactly`` for acks and echoes."""
-
-    def __init__(self) -> None:
-        self.can_write = asyncio.Event()
-        self.can_write.set()
-        self._received = bytearray()
-        self._want = 0
-        self._waiter: asyncio.Future[bytes] | None = None
-        self._lost: Exception | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        _set_nodelay(transport)
-        cast(asyncio.Transport, transport).set_write_buffer_limits(high=WRITE_HIGH_WATER)
-
-    def pause_writing(self) -> None:
-        self.can_write.clear()
-
-    def resume_writing(self) -> None:
-        self.can_write.set()
-
-    def data_received(self, data: bytes) -> None:
-        self._received += data
-        self._maybe_wake()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._lost = exc or ConnectionError("connection closed")
-        self.can_write.set()
-        self._maybe_wake()
-
-    def _maybe_wake(self) -> None:
-        waiter = self._waiter
-        if waiter is None or waiter.done():
-            return
-        if len(self._received) >= self._want:
-            data = bytes(self._received[: self._want])
-            del self._received[: self._want]
-            waiter.set_result(data)
-        elif self._lost is not None:
-            waiter.set_exception(self._lost)
-
-    async def read_exactly(self, nbytes: int) -> bytes:
-        self._want = nbytes
-        self._waiter = asyncio.get_running_loop().create_future()
-        self._maybe_wake()
-        try:
-            return await self._waiter
-        finally:
-            self._waiter = None
-
-
-class RawClient(PathClient):
-    """Client of the ``raw`` path: a fresh connection per bulk run, one for the echoes."""
-
-    def __init__(self) -> None:
-        self._host = ""
-        self._port = 0
-
-    async def connect(self, address: str) -> None:
-        host, _, port = address.rpartition(":")
-        self._host, self._port = host, int(port)
-
-    async def _open(self) -> tuple[asyncio.Transport, _RawClientProtocol]:
-        loop = asyncio.get_running_loop()
-        return await loop.create_connection(_RawClientProtocol, self._host, self._port)
-
-    async def bulk(self, work: Workload) -> BulkRun:
-        views = [t.numpy().data.cast("B") for t in work.pool]
-        tail = work.total_bytes - (work.chunks - 1) * work.chunk_bytes
-        count = work.chunks
-        async with asyncio.timeout(RUN_TIMEOUT):
-            transport, proto = await self._open()
-            try:
-                transport.write(RAW_PREAMBLE.pack(RAW_BULK, work.total_bytes))
-                cpu_start = cpu_seconds()
-                start = time.perf_counter()
-                for i in range(count):
-                    if not proto.can_write.is_set():
-                        await proto.can_write.wait()
-                    view = views[i % POOL_SIZE]
-                    transport.write(view if i < count - 1 else view[:tail])
-                ack = await proto.read_exactly(RAW_ACK.size)
-                seconds = time.perf_counter() - start
-                cpu = cpu_seconds() - cpu_start
-            finally:
-                transport.close()
-        counted, receiver_cpu = RAW_ACK.unpack(ack)
-        if counted != work.total_bytes:
-            raise BenchmarkError(f"receiver counted {counted} bytes of {work.total_bytes}")
-        return BulkRun(seconds, work.total_bytes, cpu, receiver_cpu)
-
-    async def round_trips(self, calls: int) -> list[float]:
-        request = bytes(range(RAW_ECHO_BYTES))
-        durations = []
-        clock = time.perf_counter_ns
-        async with asyncio.timeout(RUN_TIMEOUT):
-            transport, proto = await self._open()
-            try:
-                transport.write(RAW_PREAMBLE.pack(RAW_ECHO, 0))
-                for _ in range(calls):
-                    start = clock()
-                    transport.write(request)
-                    reply = await proto.read_exactly(RAW_ECHO_BYTES)
-                    durations.append((clock() - start) / 1000)
-                    if reply != request:
-                        raise BenchmarkError("echo returned different bytes")
-            finally:
-                transport.close()
-        return durations
-
-    async def server_cpu(self) -> float:
-        async with asyncio.timeout(RUN_TIMEOUT):
-            transport, proto = await self._open()
-            try:
-                transport.write(RAW_PREAMBLE.pack(RAW_STATS, 0))
-                (seconds,) = RAW_CPU.unpack(await proto.read_exactly(RAW_CPU.size))
-            finally:
-                transport.close()
-        return float(seconds)
-
-    async def aclose(self) -> None:
-        return None
-
 
 PATHS: dict[str, BenchPath] = {
     path.key: path
@@ -1007,13 +485,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--handshakes", type=int, default=200, help="fresh handshakes timed (median reported)"
     )
-    parser.add_argument(
-        "--uvloop",
-        action=argparse.BooleanOptionalAction,
-        default=uvloop_available(),
-        help="use uvloop in every process (default: when installed)",
-    )
-    parser.add_argument("--png", help="also write a bar chart to this PNG file (default: none)")
+    add_uvloop_argument(parser)
+    add_plot_argument(parser, "a bar chart")
     parser.add_argument(
         "--webrtc",
         action=argparse.BooleanOptionalAction,
@@ -1059,15 +532,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--shaped-mib", type=int, default=24, help="MiB per shaped run")
     parser.add_argument("--shaped-repeats", type=int, default=3, help="shaped runs per mode")
-    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    add_json_only_argument(parser)
     parser.add_argument(
         "--inline-crypto-row",
         action="store_true",
         help="also measure encrypted RPC with crypto_offload_bytes=None (no worker threads)",
     )
-    parser.add_argument(
-        "--role", choices=["bench", "server"], default="bench", help=argparse.SUPPRESS
-    )
+    add_role_argument(parser, "server")
     parser.add_argument("--path", choices=sorted(PATHS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "server" and args.path is None:

@@ -81,6 +81,7 @@ from benchmarks.harness import (
     median,
     run,
 )
+from benchmarks.options import add_json_only_argument, add_role_argument
 from p2ptrain.lab.natlab.lab import HomeConfig, LabConfig, NatLab
 from p2ptrain.lab.natlab.netns import lab_unavailable
 from p2ptrain.transport.webrtc import WebRTCTransport
@@ -563,10 +564,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--variants", default="stock,tuned", help=f"from {sorted(VARIANTS)}")
     parser.add_argument("--ablation", action="store_true", help="add the steps between")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell (median kept)")
-    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
-    parser.add_argument(
-        "--role", choices=["bench", "peer"], default="bench", help=argparse.SUPPRESS
-    )
+    add_json_only_argument(parser)
+    add_role_argument(parser, "peer")
     parser.add_argument("--side", choices=["send", "recv"], help=argparse.SUPPRESS)
     parser.add_argument("--fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)

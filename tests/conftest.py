@@ -9,14 +9,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import settings
 
+from p2ptrain.lab.echo import echo
 from p2ptrain.node.config import NodeConfig
 from p2ptrain.node.node import Node
+from p2ptrain.rpc.config import ConnectionConfig
+from p2ptrain.rpc.handlers import CallContext
+from p2ptrain.rpc.stream import RPCStream
 from p2ptrain.secure.handshake import AdmissionPolicy, HandshakeResult, perform_handshake
 from p2ptrain.secure.identity import Identity, PeerID
 from p2ptrain.testing.memory import memory_transport_pair
@@ -50,6 +55,19 @@ async def make_node() -> AsyncIterator[NodeFactory]:
     yield factory
     for node in reversed(started):
         await node.aclose()
+
+
+async def stall_server(make_node: NodeFactory, limits: ConnectionConfig) -> Node:
+    """A node serving ``echo`` and ``stall`` (a stream handler that never returns)."""
+    server = await make_node(config=NodeConfig(connection=limits))
+    server.handlers.add_unary("echo", echo)
+    never = asyncio.Event()
+
+    async def stall(ctx: CallContext, stream: RPCStream) -> None:
+        await never.wait()
+
+    server.handlers.add_stream("stall", stall)
+    return server
 
 
 async def shake(
@@ -97,6 +115,35 @@ async def recorded_handshake(
         shake(b, responder, initiator=False, swarm=swarm),
     )
     return result, recorded
+
+
+async def while_serving_healthy(
+    request: Callable[[int], Awaitable[None]],
+    attack: Callable[[], Awaitable[None]],
+    *,
+    at_least: int = 3,
+) -> int:
+    """Run ``attack`` while a healthy peer makes ``request(0)``, ``request(1)``, ...
+
+    Every request must succeed (``request`` checks its answer) throughout
+    the attack, and at least ``at_least`` of them; the number made.
+    """
+    done = asyncio.Event()
+    served = 0
+
+    async def healthy() -> None:
+        nonlocal served
+        while not done.is_set() or served < at_least:
+            await request(served)
+            served += 1
+
+    task = asyncio.create_task(healthy())
+    try:
+        await attack()
+    finally:
+        done.set()
+    await asyncio.wait_for(task, 10)
+    return served
 
 
 class ChildLines:
@@ -160,6 +207,27 @@ def stop_all(children: Iterable[ChildLines | None]) -> None:
             child.process.wait()
 
 
+@pytest.fixture
+def procs() -> Iterator[list[ChildLines]]:
+    """Child processes a test starts; all are stopped when it ends."""
+    started: list[ChildLines] = []
+    yield started
+    stop_all(started)
+
+
+def started_bootstrap(procs: list[ChildLines], deadline: float) -> str:
+    """``p2ptrain bootstrap --port 0``, stopped with ``procs``; the address to join."""
+    boot = cli_process("bootstrap", "--port", "0")
+    procs.append(boot)
+    return join_address(boot, deadline)
+
+
+def join_address(boot: ChildLines, deadline: float) -> str:
+    """The address a starting ``p2ptrain bootstrap`` tells peers to join (after "ready")."""
+    assert "ready" in boot.next_line(deadline)
+    return boot.next_line(deadline).split("--join", 1)[1].strip()
+
+
 def cli_process(*args: str) -> ChildLines:
     """``python -m p2ptrain.app.cli ARGS`` as a :class:`ChildLines`."""
     process = subprocess.Popen(
@@ -170,3 +238,22 @@ def cli_process(*args: str) -> ChildLines:
         text=True,
     )
     return ChildLines(process)
+
+
+def run_module(
+    module: str, *args: str, timeout: float = 60, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGS`` run to its end in a process of its own; its output."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        check=False,
+    )
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """The command line run to its end in a process of its own (as a user runs it)."""
+    return run_module("p2ptrain.app.cli", *args, timeout=timeout)

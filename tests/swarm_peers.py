@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from train_worker import FAST_MATCHMAKING, peer_config
 
+from p2ptrain.lab.timings import QUICK_PROGRESS
 from p2ptrain.peer import Peer
 from p2ptrain.swarm import (
     PipelineModel,
@@ -19,16 +20,8 @@ from p2ptrain.swarm import (
     StageServer,
     StageServerConfig,
 )
-from p2ptrain.train.progress import ProgressConfig
 
 RUN = "pipe"
-FAST_PROGRESS = ProgressConfig(
-    publish_interval=0.2,
-    heartbeat_interval=1.0,
-    expiration=5.0,
-    min_fetch_interval=0.1,
-    max_fetch_interval=0.5,
-)
 
 
 def mlp_model(num_stages: int = 2, width: int = 16) -> PipelineModel:
@@ -46,7 +39,7 @@ def server_config(**changes: Any) -> StageServerConfig:
     base = StageServerConfig(
         run_id=RUN,
         target_batch_size=32,
-        progress=FAST_PROGRESS,
+        progress=QUICK_PROGRESS,
         announce_interval=0.3,
         announce_ttl=3.0,
         step_interval=0.1,

@@ -40,12 +40,12 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.allreduce.hetero import SCENARIO, HeteroPeer
-from benchmarks.allreduce.netlab import LinkSpec, StarLab
 from benchmarks.allreduce.runner import PeerGroup, run_round
 from benchmarks.allreduce.systems import p2ptrain_plan, p2ptrain_prepares, start_p2ptrain
 from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
 from p2ptrain.lab.natlab.netns import python_env
+from p2ptrain.lab.starlab import LinkSpec, StarLab
 
 __all__ = ["run_adaptive"]
 

@@ -53,7 +53,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from benchmarks.allreduce.netlab import LinkSpec, StarLab
 from benchmarks.allreduce.runner import PeerGroup, Round, run_round
 from benchmarks.allreduce.systems import (
     p2ptrain_plan,
@@ -67,6 +66,7 @@ from p2ptrain.allreduce.fairshare import fair_share_round_time
 from p2ptrain.allreduce.lp import LoadBalancer, PeerCapacity
 from p2ptrain.allreduce.partition import equal_shares, evaluate_round_time
 from p2ptrain.lab.natlab.netns import python_env
+from p2ptrain.lab.starlab import LinkSpec, StarLab
 from p2ptrain.measure import payload_rate
 
 __all__ = ["SCENARIO", "HeteroPeer", "HeteroResult", "Prediction", "predict", "run_hetero"]

@@ -31,7 +31,6 @@ environment, which only shares torch with the system.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -46,6 +45,7 @@ from benchmarks.allreduce.proto import (
     input_vector,
     max_error,
     now,
+    peer_parser,
     read_command,
     tree_cpu_seconds,
     write_message,
@@ -161,8 +161,7 @@ class _Peer:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one hivemind peer until the parent says quit (or closes stdin)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser = peer_parser(__doc__.splitlines()[0])
     parser.add_argument("--initial-peer", action="append", help="multiaddr of a DHT peer")
     parser.add_argument(
         "--matchmaking-time", type=float, default=2.0, help="hivemind min_matchmaking_time"
@@ -170,8 +169,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--matchmaking-timeout", type=float, default=60.0, help="seconds to form a group"
     )
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds a step may take")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     peer = _Peer(args)

@@ -32,6 +32,7 @@ start to the last end.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -54,6 +55,7 @@ __all__ = [
     "max_error",
     "now",
     "parse_line",
+    "peer_parser",
     "process_cpu_seconds",
     "read_command",
     "tree_cpu_seconds",
@@ -218,3 +220,12 @@ def tree_cpu_seconds(pid: int | None = None) -> float:
 def now() -> float:
     """The clock every peer stamps with."""
     return time.monotonic()
+
+
+def peer_parser(description: str) -> argparse.ArgumentParser:
+    """The command line every peer process takes: ``--host``, ``--timeout``, ``--threads``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds a round may take")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    return parser

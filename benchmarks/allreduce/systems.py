@@ -16,13 +16,11 @@ from typing import Any
 import msgpack
 
 from benchmarks.allreduce.runner import PeerGroup
-from benchmarks.harness import find_hivemind
 from p2ptrain.allreduce import GroupMember, GroupPlan
 from p2ptrain.node.address import PeerAddress
 
 __all__ = [
     "Wrap",
-    "find_hivemind_python",
     "free_port",
     "p2ptrain_plan",
     "p2ptrain_prepares",
@@ -176,11 +174,6 @@ def vector_prepares(world: int, numel: int) -> list[dict[str, Any]]:
 
 
 # -- hivemind ---------------------------------------------------------------------------------
-
-
-def find_hivemind_python(requested: str | None) -> tuple[str | None, str]:
-    """The interpreter to run hivemind with (or None), and a line saying what was found."""
-    return find_hivemind(requested)
 
 
 def start_hivemind(

@@ -31,7 +31,6 @@ input (made while preparing) and divides by the world size: the average.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import json
@@ -50,6 +49,7 @@ from benchmarks.allreduce.proto import (
     input_vector,
     max_error,
     now,
+    peer_parser,
     process_cpu_seconds,
     read_command,
     write_message,
@@ -287,15 +287,12 @@ def _serve_gloo(master: str, rank: int, world: int, timeout: float) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one peer until the parent says quit (or closes stdin)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = peer_parser(__doc__.splitlines()[0])
     parser.add_argument("system", choices=["p2ptrain", "gloo"])
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--master", help="gloo: host:port of the TCP store (rank 0 hosts it)")
     parser.add_argument("--rank", type=int, default=0, help="gloo: this peer's rank")
     parser.add_argument("--world", type=int, default=1, help="gloo: number of peers")
     parser.add_argument("--ifname", help="gloo: network interface (GLOO_SOCKET_IFNAME)")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds a round may take")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument(
         "--profile", help="p2ptrain: write cProfile stats (CPU time) to this file ({pid} expands)"
     )
@@ -325,6 +322,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.system == "p2ptrain":
         from p2ptrain.aio import run
 
+        serve = _serve_p2ptrain(
+            args.host,
+            args.timeout,
+            pool_bytes,
+            args.insecure_plaintext,
+            not args.no_crypto_offload,
+            pacing=args.pacing,
+        )
         if args.profile:
             import cProfile
 
@@ -338,28 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             has_uvloop()  # imports uvloop
 
             with cProfile.Profile(time.process_time) as profiler:  # CPU, not waiting
-                run(
-                    _serve_p2ptrain(
-                        args.host,
-                        args.timeout,
-                        pool_bytes,
-                        args.insecure_plaintext,
-                        not args.no_crypto_offload,
-                        pacing=args.pacing,
-                    )
-                )
+                run(serve)
             profiler.dump_stats(args.profile.format(pid=os.getpid()))
         else:
-            run(
-                _serve_p2ptrain(
-                    args.host,
-                    args.timeout,
-                    pool_bytes,
-                    args.insecure_plaintext,
-                    not args.no_crypto_offload,
-                    pacing=args.pacing,
-                )
-            )
+            run(serve)
     else:
         if args.master is None:
             parser.error("gloo needs --master")

@@ -34,6 +34,7 @@ from benchmarks.pipeline.model import PipelineModel, batch, block_factory
 from benchmarks.pipeline.torch_stage import model_flags, model_from
 from p2ptrain.allreduce.matchmaking import MatchmakingConfig
 from p2ptrain.dht.node_config import DHTNodeConfig
+from p2ptrain.lab.timings import QUICK_MATCHMAKING, QUICK_PROGRESS
 from p2ptrain.peer import Peer, PeerConfig
 from p2ptrain.swarm import (
     PipelineModel as SwarmModel,
@@ -47,7 +48,6 @@ from p2ptrain.swarm import (
     read_stage,
 )
 from p2ptrain.swarm.rebalance import RebalanceConfig, Rebalancer, read_loads
-from p2ptrain.train.progress import ProgressConfig
 
 
 def swarm_model(model: PipelineModel) -> SwarmModel:
@@ -74,23 +74,6 @@ def _watch_stdin() -> tuple[threading.Event, threading.Event]:
     return line, closed
 
 
-FAST_MATCHMAKING = MatchmakingConfig(
-    window=0.3,
-    poll_interval=0.05,
-    ready_timeout=2.0,
-    plan_timeout=5.0,
-    reduce_timeout=5.0,
-    round_timeout=10.0,
-)
-FAST_PROGRESS = ProgressConfig(
-    publish_interval=0.2,
-    heartbeat_interval=1.0,
-    expiration=5.0,
-    min_fetch_interval=0.1,
-    max_fetch_interval=0.5,
-)
-
-
 def _freeze_startup_objects() -> None:
     """Leave what startup built (torch's ~350k objects, the model) out of later collections.
 
@@ -109,7 +92,7 @@ def _peer(join: str | None, *, fast: bool = True) -> Peer:
         PeerConfig(
             nat=None,
             probe_seconds=None,
-            matchmaking=FAST_MATCHMAKING if fast else MatchmakingConfig(),
+            matchmaking=QUICK_MATCHMAKING if fast else MatchmakingConfig(),
             dht=DHTNodeConfig(initial_peers=initial, request_timeout=2.0),
         )
     )
@@ -126,7 +109,7 @@ def serve(args: argparse.Namespace, model: PipelineModel) -> None:
     if fast:
         config = dataclasses.replace(
             config,
-            progress=FAST_PROGRESS,
+            progress=QUICK_PROGRESS,
             announce_interval=0.5,
             announce_ttl=3.0,
             step_interval=0.1,

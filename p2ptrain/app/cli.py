@@ -13,12 +13,15 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
+import functools
+import importlib.util
 import logging
 import math
 import os
 import runpy
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from p2ptrain import __version__
@@ -35,20 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-BENCHMARKS = (
-    "all",
-    "transport",
-    "dht",
-    "allreduce",
-    "lp",
-    "training",
-    "compression",
-    "stop",
-    "webrtc",
-    "scale",
-    "hostile",
-    "pipeline",
-)
+_CHECKOUT = Path(__file__).resolve().parents[2]
+"""The source checkout holding the package, where ``benchmarks/`` is (not in a wheel)."""
 _EXAMPLES = """examples:
   p2ptrain demo                                   # a local swarm on this machine
   p2ptrain train --join PEERID@203.0.113.7:4001 --seconds 600
@@ -450,13 +441,20 @@ def _add_keygen_parser(commands: _Commands) -> None:
 
 def _add_bench_parser(commands: _Commands) -> None:
     """``p2ptrain bench``."""
+    registry = _benchmark_registry()
+    listed = (
+        ""
+        if registry is None
+        else "\n\nbenchmarks:\n"
+        + "\n".join(f"  {bench.name:12} {bench.summary}" for bench in registry.BENCHMARKS)
+    )
     bench = commands.add_parser(
         "bench",
         help="run a benchmark and print its table",
         description=(
             "Run one of the benchmarks in benchmarks/ (needs a source checkout), or `all`: "
             "every one this machine can run, into one report (DIR/report.md). "
-            "Arguments after the name go to the benchmark; try `--help` there."
+            "Arguments after the name go to the benchmark; try `--help` there." + listed
         ),
         epilog=(
             "example: p2ptrain bench transport --megabytes 64 --png transport.png\n"
@@ -464,7 +462,10 @@ def _add_bench_parser(commands: _Commands) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
+    names = None
+    if registry is not None:
+        names = [registry.ALL, *(bench.name for bench in registry.BENCHMARKS)]
+    bench.add_argument("name", choices=names, metavar="NAME", help="a benchmark above, or all")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
 
 
@@ -813,17 +814,38 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _benchmark_registry() -> ModuleType | None:
+    """``benchmarks/registry.py`` of the source checkout, or None where there is none.
+
+    Read from its file, without putting the checkout on ``sys.path`` (every
+    subcommand builds the parser); it imports no benchmark.
+    """
+    return _load_registry(_CHECKOUT / "benchmarks" / "registry.py")
+
+
+@functools.cache
+def _load_registry(path: Path) -> ModuleType | None:
+    name = "_p2ptrain_benchmark_registry"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None or not path.is_file():
+        return None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run_bench(args: argparse.Namespace) -> int:
-    root = Path(__file__).resolve().parents[2]  # the checkout holding the package
-    script = root / "benchmarks" / f"bench_{args.name}.py"
-    if not script.is_file():
+    registry = _benchmark_registry()
+    if registry is None:
         raise ConfigError(
-            f"benchmark {args.name!r} not found at {script} (benchmarks need a source checkout)"
+            f"no benchmarks at {_CHECKOUT / 'benchmarks'} (benchmarks need a source checkout)"
         )
-    sys.argv = [str(script), *args.args]
-    sys.path.insert(0, str(root))  # the benchmarks package
+    module = registry.module_of(args.name)
+    sys.argv = [module, *args.args]
+    sys.path.insert(0, str(_CHECKOUT))  # the benchmarks package
     try:
-        runpy.run_module(f"benchmarks.bench_{args.name}", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0

@@ -28,17 +28,11 @@ from p2ptrain.allreduce.service import AllReduceService
 from p2ptrain.dht.api import DHT
 from p2ptrain.dht.node_config import DHTNodeConfig
 from p2ptrain.errors import ConfigError, InvalidArgumentError, MatchmakingError
+from p2ptrain.lab.timings import QUICK_MATCHMAKING
 from p2ptrain.node.node import Node
 from p2ptrain.secure.identity import PeerID
 
-FAST = MatchmakingConfig(
-    window=0.6,
-    poll_interval=0.05,
-    ready_timeout=1.0,
-    plan_timeout=5.0,
-    reduce_timeout=5.0,
-    round_timeout=10.0,
-)
+FAST = replace(QUICK_MATCHMAKING, window=0.6, ready_timeout=1.0)
 
 
 class Peer:

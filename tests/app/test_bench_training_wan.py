@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from conftest import run_module
 from doccheck import ROOT
 
 from p2ptrain.examples.charlm.model import ModelConfig, make_model
@@ -18,40 +17,13 @@ from p2ptrain.testing.natlab_plugin import require_netns
 def test_two_overlapped_peers_train_through_shaped_links() -> None:
     require_netns()
     width, steps = 32, 2
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.bench_training",
-            "--wan",
-            "--systems",
-            "p2ptrain_overlap",
-            "--peers",
-            "2",
-            "--steps",
-            str(steps),
-            "--batch",
-            "4",
-            "--target",
-            "8",
-            "--width",
-            str(width),
-            "--layers",
-            "1",
-            "--heads",
-            "2",
-            "--lr",
-            "0.01",
-            "--warmup",
-            "1",
-            "--eval-windows",
-            "4",
-        ],
+    done = run_module(
+        *("benchmarks.bench_training", "--wan", "--systems", "p2ptrain_overlap"),
+        *("--peers", "2", "--steps", str(steps), "--batch", "4", "--target", "8"),
+        *("--width", str(width), "--layers", "1", "--heads", "2", "--lr", "0.01"),
+        *("--warmup", "1", "--eval-windows", "4"),
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=120,
-        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     wan = json.loads(done.stdout.splitlines()[-1])["wan"]
@@ -77,7 +49,7 @@ def _system(comm: float, losses: list[list[float]]) -> dict[str, object]:
 
 
 def test_repeated_pairs_are_checked_on_their_mean_and_listed_one_by_one() -> None:
-    from benchmarks.training_wan.runner import checks
+    from benchmarks.training.runner import checks
 
     sync = _system(0.5, [[0, 0, 0, 4.0], [1, 1, 100, 2.0]])
     sync["repeats"] = [_system(0.4, [[0, 0, 0, 4.0], [1, 1, 100, 2.0]])]

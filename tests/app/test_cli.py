@@ -3,32 +3,22 @@
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ChildLines, cli_process, stop_all
+from conftest import ChildLines, cli_process, join_address, run_cli, stop_all
+from doccheck import ROOT
 
 from p2ptrain.aio import run
-from p2ptrain.app.cli import BENCHMARKS, main
+from p2ptrain.app.cli import main
 from p2ptrain.nat.stun import stun_query
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.secure.identity import Identity
 
 COMMANDS = ("demo", "bootstrap", "bench")
-
-
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "p2ptrain.app.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -97,8 +87,7 @@ def _joinable_bootstrap(*args: str) -> tuple[ChildLines, str]:
     boot = cli_process("bootstrap", "--port", "0", *args)
     deadline = time.monotonic() + 60
     try:
-        assert "ready" in boot.next_line(deadline)
-        return boot, boot.next_line(deadline).split("--join", 1)[1].strip()
+        return boot, join_address(boot, deadline)
     except BaseException:
         boot.stop()
         raise
@@ -159,13 +148,28 @@ def test_nat_flags_are_checked() -> None:
         assert fragment in result.stderr, (args, result.stderr)
 
 
-def test_bench_names_match_scripts() -> None:
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    present = {p.stem.removeprefix("bench_") for p in root.glob("bench_*.py")}
-    assert set(BENCHMARKS) >= present - {"webrtc"}
+def test_bench_finds_the_benchmarks_through_the_registry() -> None:
+    sys.path.insert(0, str(ROOT))  # the benchmarks package lives at the repository root
+    from benchmarks.registry import BENCHMARKS
+
+    listed = run_cli("bench", "--help")
+    assert listed.returncode == 0, listed.stderr
+    for bench in BENCHMARKS:
+        assert f"  {bench.name} " in listed.stdout and bench.summary in listed.stdout
     result = run_cli("bench", "nope")
     assert result.returncode == 2 and "invalid choice" in result.stderr
     # The command finds the scripts of a source checkout (it lost them once
     # when the command line moved one folder down).
     result = run_cli("bench", "lp", "--help")
     assert result.returncode == 0 and "usage" in result.stdout, result.stderr
+
+
+def test_bench_without_a_checkout_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from p2ptrain.app import cli
+
+    monkeypatch.setattr(cli, "_CHECKOUT", tmp_path)  # an installed wheel: no benchmarks/
+    assert main(["bench", "lp"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "need a source checkout" in err, err

@@ -6,24 +6,14 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import ChildLines, cli_process, stop_all
+from conftest import ChildLines, cli_process, join_address, run_cli, started_bootstrap
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
-
-
-@pytest.fixture
-def procs() -> Iterator[list[ChildLines]]:
-    started: list[ChildLines] = []
-    yield started
-    stop_all(started)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -49,16 +39,6 @@ def _first(peer: ChildLines, deadline: float, kind: str, **wanted: int) -> dict[
             return dict(event)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "p2ptrain.app.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 @pytest.mark.slow
 def test_metrics_ports_of_a_trainer_and_a_bootstrap_and_status_json(
     procs: list[ChildLines],
@@ -68,8 +48,7 @@ def test_metrics_ports_of_a_trainer_and_a_bootstrap_and_status_json(
     procs.append(boot)
     metrics_line = boot.next_line(deadline)
     boot_port = int(re.search(r":(\d+)/metrics", metrics_line).group(1))  # type: ignore[union-attr]
-    assert "ready" in boot.next_line(deadline)
-    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+    address = join_address(boot, deadline)
     train = ("train", "--join", address, "--run-id", "ops", "--seconds", "60")
     sizes = ("--target-batch-size", "16", "--batch-size", "4", "--log-json", "-")
     peers = [cli_process(*train, *sizes, "--metrics-port", "0") for _ in range(2)]
@@ -96,7 +75,7 @@ def test_metrics_ports_of_a_trainer_and_a_bootstrap_and_status_json(
     assert "p2ptrain_stun_answers_total" in bootstrap
     assert all(name.startswith("p2ptrain_") for name in bootstrap), sorted(bootstrap)
 
-    status = _cli("status", "--join", address, "--run-id", "ops", "--json")
+    status = run_cli("status", "--join", address, "--run-id", "ops", "--json")
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["run_id"] == "ops" and report["peers_online"] == 2
@@ -104,7 +83,7 @@ def test_metrics_ports_of_a_trainer_and_a_bootstrap_and_status_json(
     assert {row["peer_id"][:10] for row in report["peers"]} == ids
     assert all(row["global_step"] >= 1 for row in report["peers"])
 
-    watch = _cli(
+    watch = run_cli(
         "status",
         "--join",
         address,
@@ -123,10 +102,7 @@ def test_metrics_ports_of_a_trainer_and_a_bootstrap_and_status_json(
 @pytest.mark.slow
 def test_ctrl_c_ends_training_with_the_summary_and_exit_0(procs: list[ChildLines]) -> None:
     deadline = time.monotonic() + 90
-    boot = cli_process("bootstrap", "--port", "0")
-    procs.append(boot)
-    assert "ready" in boot.next_line(deadline)
-    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+    address = started_bootstrap(procs, deadline)
     peer = cli_process(
         "train", "--join", address, "--run-id", "int", "--seconds", "120", "--log-json", "-"
     )

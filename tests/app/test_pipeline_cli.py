@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import queue
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ChildLines, cli_process, stop_all
+from conftest import ChildLines, cli_process, join_address, run_cli, stop_all
 
 from p2ptrain.app.pipeline import model_of, stage_bytes
 from p2ptrain.app.task import load_pipeline_task
@@ -73,8 +71,7 @@ def swarm() -> Iterator[Swarm]:
     found = Swarm("")
     try:
         deadline = time.monotonic() + 60
-        assert "ready" in boot.next_line(deadline)
-        found.address = boot.next_line(deadline).split("--join", 1)[1].strip()
+        found.address = join_address(boot, deadline)
         yield found
     finally:
         stop_all([*found.procs.values(), boot])
@@ -125,11 +122,11 @@ def test_eight_pipeline_peers_train_and_survive_kill_9_of_a_stage_peer(swarm: Sw
 
 @pytest.mark.slow
 def test_a_stage_over_the_memory_budget_is_refused_with_both_figures(swarm: Swarm) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "p2ptrain.app.cli", "train", "--pipeline", "--join",
-         swarm.address, "--run-id", "pp", "--stage", "1", "--memory-budget-mb", "0.5"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    result = run_cli(
+        *("train", "--pipeline", "--join", swarm.address, "--run-id", "pp"),
+        *("--stage", "1", "--memory-budget-mb", "0.5"),
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "stage 1 needs 1.0" in result.stderr
     assert "budget is 0.50 MB: refusing to serve it" in result.stderr

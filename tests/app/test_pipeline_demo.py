@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from p2ptrain.app.pipeline_demo import (
     PipelineDemoConfig,
@@ -81,14 +80,9 @@ def test_config_is_validated(kwargs: dict[str, object]) -> None:
 @pytest.mark.slow
 def test_the_pipeline_demo_trains_across_stage_peers(tmp_path: Path) -> None:
     png = tmp_path / "pipeline.png"
-    done = subprocess.run(
-        [sys.executable, "-m", "p2ptrain.app.cli", "demo", "--pipeline",
-         "--peers", "4", "--seconds", "15", "--png", str(png)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )  # fmt: skip
+    done = run_cli(
+        "demo", "--pipeline", "--peers", "4", "--seconds", "15", "--png", str(png), timeout=300
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "so no peer can hold the whole model" in out

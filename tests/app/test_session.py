@@ -4,32 +4,23 @@ from __future__ import annotations
 
 import json
 import queue
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import ChildLines, cli_process, stop_all
+from conftest import ChildLines, cli_process, run_cli, started_bootstrap
 from test_task import documented_example
 
 from p2ptrain.app.cli import main
 from p2ptrain.app.status import format_status
 from p2ptrain.app.train import TrainingSessionConfig, shard_of
 from p2ptrain.errors import ConfigError
+from p2ptrain.lab.timings import TRAINING_MATCHMAKING
 from p2ptrain.measure import payload_rate
 from p2ptrain.secure.identity import Identity
 from p2ptrain.train.progress import PeerProgress
-
-
-@pytest.fixture
-def procs() -> Iterator[list[ChildLines]]:
-    started: list[ChildLines] = []
-    yield started
-    stop_all(started)
 
 
 def _wait_for_joint_step(peer: ChildLines, deadline: float) -> dict[str, Any]:
@@ -45,10 +36,7 @@ def _wait_for_joint_step(peer: ChildLines, deadline: float) -> dict[str, Any]:
 
 def test_two_peers_train_and_status_lists_them(procs: list[ChildLines]) -> None:
     deadline = time.monotonic() + 120  # a deadline, not a wait: it ends at the first joint step
-    boot = cli_process("bootstrap", "--port", "0")
-    procs.append(boot)
-    assert "ready" in boot.next_line(deadline)
-    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+    address = started_bootstrap(procs, deadline)
     train_args = ("train", "--join", address, "--run-id", "t", "--seconds", "150")
     # A step of several reads of the progress records (min_fetch_interval): a
     # step shorter than a read is cut by extrapolation alone (p2ptrain/train/cut.py).
@@ -67,13 +55,7 @@ def test_two_peers_train_and_status_lists_them(procs: list[ChildLines]) -> None:
         # peer's log says why if not
         assert 0 < event["step_samples"] <= 160, "".join(peer.stderr)[-3000:]
 
-    status = subprocess.run(
-        [sys.executable, "-m", "p2ptrain.app.cli", "status", "--join", address, "--run-id", "t"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    status = run_cli("status", "--join", address, "--run-id", "t")
     assert status.returncode == 0, status.stderr
     lines = status.stdout.splitlines()
     assert "PeerID" in lines[1] and "global step" in lines[1] and "samples/s" in lines[1]
@@ -101,13 +83,7 @@ def test_help_has_an_example(command: str, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_train_mistakes_are_one_line() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "p2ptrain.app.cli", "train", "--join", "x", "--batch-size", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = run_cli("train", "--join", "x", "--batch-size", "0")
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "batch_size" in result.stderr
 
@@ -117,6 +93,14 @@ def test_config_is_validated() -> None:
         TrainingSessionConfig(initial_peers=("a",), seconds=-1)
     with pytest.raises(ConfigError):
         TrainingSessionConfig(initial_peers=["a"])  # type: ignore[arg-type]
+
+
+def test_the_benchmarks_time_the_matchmaking_that_train_configures() -> None:
+    from p2ptrain.app.train import _peer_config
+
+    assert _peer_config(TrainingSessionConfig(initial_peers=())).matchmaking == (
+        TRAINING_MATCHMAKING
+    )
 
 
 def test_format_status_orders_by_step() -> None:
@@ -149,10 +133,7 @@ def test_train_runs_a_users_task_module(procs: list[ChildLines], tmp_path: Path)
     task_file = tmp_path / "my_task.py"
     task_file.write_text(documented_example())
     deadline = time.monotonic() + 60
-    boot = cli_process("bootstrap", "--port", "0")
-    procs.append(boot)
-    assert "ready" in boot.next_line(deadline)
-    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+    address = started_bootstrap(procs, deadline)
     peer = cli_process(
         "train", "--join", address, "--run-id", "own", "--task", str(task_file),
         "--seconds", "6", "--target-batch-size", "32", "--batch-size", "16",
@@ -210,10 +191,7 @@ def test_a_stopped_swarm_resumes_from_its_checkpoints(
     task_file = tmp_path / "my_task.py"
     task_file.write_text(documented_example())
     deadline = time.monotonic() + 150
-    boot = cli_process("bootstrap", "--port", "0")
-    procs.append(boot)
-    assert "ready" in boot.next_line(deadline)
-    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+    address = started_bootstrap(procs, deadline)
 
     def run(reach: list[int]) -> list[list[dict[str, Any]]]:
         """Train two peers until peer i reported global step ``reach[i]``, then
@@ -265,10 +243,7 @@ def test_one_model_per_run_through_the_command_line(
     other = tmp_path / "wide_task.py"
     other.write_text(documented_example().replace("Linear(8, 1)", "Linear(8, 3)"))
     deadline = time.monotonic() + 110
-    boot = cli_process("bootstrap", "--port", "0")
-    procs.append(boot)
-    assert "ready" in boot.next_line(deadline)
-    address = boot.next_line(deadline).split("--join", 1)[1].strip()
+    address = started_bootstrap(procs, deadline)
     # Long enough that the wrong peer, started after them, finds them still in
     # the run on a loaded machine (its start alone took over 8 s at load 10).
     common = ["train", "--join", address, "--seconds", "25", "--target-batch-size", "32"]

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ChildLines, cli_process
+from conftest import ChildLines, cli_process, run_cli
 
 from p2ptrain.app.demo import (
     PeerRun,
@@ -26,25 +25,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def test_demo_with_three_peers_prints_a_summary_and_a_png(tmp_path: Path) -> None:
     png = tmp_path / "loss.png"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "p2ptrain.app.cli",
-            "demo",
-            "--peers",
-            "3",
-            "--seconds",
-            "8",
-            "--png",
-            str(png),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
-        capture_output=True,
-        text=True,
+    result = run_cli(
+        *("demo", "--peers", "3", "--seconds", "8", "--png", str(png)),
+        *("--log-dir", str(tmp_path / "logs")),
         timeout=150,
-        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout

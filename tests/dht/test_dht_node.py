@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from conftest import NodeFactory
+from conftest import NodeFactory, while_serving_healthy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -100,29 +100,16 @@ async def swarm(make_dht: DHTFactory, count: int, **kwargs: Any) -> list[DHT]:
     return peers
 
 
-async def while_serving_healthy(
-    writer: DHT, reader: DHT, attack: Callable[[], Awaitable[None]]
-) -> int:
+async def while_storing(writer: DHT, reader: DHT, attack: Callable[[], Awaitable[None]]) -> int:
     """Run ``attack`` while ``writer`` stores and ``reader`` gets; every operation must succeed."""
-    done = asyncio.Event()
-    served = 0
 
-    async def healthy() -> None:
-        nonlocal served
-        while not done.is_set() or served < 3:
-            key = f"healthy/{served}"
-            assert await writer.store(key, served, writer.now() + 60)
-            found = await reader.get(key)
-            assert isinstance(found, ValueWithExpiration) and found.value == served
-            served += 1
+    async def store_and_get(n: int) -> None:
+        key = f"healthy/{n}"
+        assert await writer.store(key, n, writer.now() + 60)
+        found = await reader.get(key)
+        assert isinstance(found, ValueWithExpiration) and found.value == n
 
-    task = asyncio.create_task(healthy())
-    try:
-        await attack()
-    finally:
-        done.set()
-    await asyncio.wait_for(task, 10)
-    return served
+    return await while_serving_healthy(store_and_get, attack, at_least=3)
 
 
 def signed(
@@ -335,7 +322,7 @@ async def test_bad_records_are_refused_one_by_one(
         again = await raw_store(attacker, victim, good)
         assert again[0].outcome is StoreOutcome.HELD
 
-    assert await while_serving_healthy(writer, reader, attack) >= 3
+    assert await while_storing(writer, reader, attack) >= 3
     store = victim.dht_node.records
     for key in (b"big", b"past", b"far", b"plain", b"dict"):
         assert store.get(key, victim.now()) is None
@@ -378,7 +365,7 @@ async def test_malformed_requests_get_typed_errors(
             with pytest.raises(InvalidArgumentError, match="malformed DHT message"):
                 await attacker.call(victim.address, method, body, payload, timeout=5)
 
-    assert await while_serving_healthy(writer, reader, attack) >= 3
+    assert await while_storing(writer, reader, attack) >= 3
     assert attacker.peer_id not in victim.dht_node.routing_table
     assert victim.dht_node.records.get(b"k", victim.now()) is None
 
@@ -452,7 +439,7 @@ async def test_thousands_of_bogus_contacts_are_capped(
         await victim.store("from-victim", 1, victim.now() + 60)
 
     try:
-        assert await while_serving_healthy(writer, reader, attack) >= 3
+        assert await while_storing(writer, reader, attack) >= 3
     finally:
         sink.close()
         await sink.wait_closed()
@@ -499,7 +486,7 @@ async def test_a_peer_that_stops_answering_mid_lookup(
             assert isinstance(found, ValueWithExpiration) and found.value == "v"
             assert time.perf_counter() - started < 5 * timeout
 
-    assert await while_serving_healthy(writer, reader, attack) >= 3
+    assert await while_storing(writer, reader, attack) >= 3
     assert hung.is_set() and died.is_set()
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import ChildLines
+from conftest import ChildLines, join_address
 
 from p2ptrain import aio
 from p2ptrain.allreduce.group import GroupPlan
@@ -67,8 +67,7 @@ class Bootstrap:
         )
         self.child = ChildLines(process)
         deadline = time.monotonic() + 30
-        assert "ready" in self.child.next_line(deadline)
-        self.address = self.child.next_line(deadline).split("--join", 1)[1].strip()
+        self.address = join_address(self.child, deadline)
         self.stun_port = int(self.child.next_line(deadline).split("udp/", 1)[1].split(",", 1)[0])
 
     def stop(self) -> None:

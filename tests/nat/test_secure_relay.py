@@ -3,16 +3,18 @@ a plaintext byte of what it carries, and an altered byte is detected."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from test_nat_loopback import RELAY_ONLY, relay_config, start_peer, swarm
+from test_nat_loopback import RELAY_ONLY, Peer, relay_config, start_peer, swarm
 
 from p2ptrain.errors import P2PTrainError
 from p2ptrain.nat import rendezvous
+from p2ptrain.nat.paths import Traversal
 from p2ptrain.rpc.handlers import Message
 from p2ptrain.rpc.stream import RPCStream
 
@@ -64,15 +66,22 @@ def tap_relay(
     return seen
 
 
+async def relayed(stack: contextlib.AsyncExitStack) -> tuple[Peer, Peer, Traversal]:
+    """A target and a dialer that reach each other only through a relaying bootstrap
+    peer, and the dialer's traversal to the target (over the relay)."""
+    boot = await start_peer(stack, relay_config())
+    target = await start_peer(stack, RELAY_ONLY, [boot])
+    dialer = await start_peer(stack, RELAY_ONLY, [boot])
+    traversal = await dialer.nat.traverse(target.peer_id)
+    assert traversal.path == "relay"
+    return target, dialer, traversal
+
+
 async def test_the_relay_never_holds_a_plaintext_payload(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = tap_relay(monkeypatch)
     payload = os.urandom(3 * MiB)
     async with swarm() as stack:
-        boot = await start_peer(stack, relay_config())
-        target = await start_peer(stack, RELAY_ONLY, [boot])
-        dialer = await start_peer(stack, RELAY_ONLY, [boot])
-        traversal = await dialer.nat.traverse(target.peer_id)
-        assert traversal.path == "relay"
+        target, dialer, traversal = await relayed(stack)
         reply = await traversal.connection.call("echo", "known body", payload, timeout=20)
         assert bytes(reply.payload) == payload
     carried = b"".join(seen)
@@ -100,11 +109,7 @@ async def test_a_relay_that_alters_one_byte_is_detected(
     tap_relay(monkeypatch, flip_one)
     caplog.set_level(logging.WARNING)
     async with swarm() as stack:
-        boot = await start_peer(stack, relay_config())
-        target = await start_peer(stack, RELAY_ONLY, [boot])
-        dialer = await start_peer(stack, RELAY_ONLY, [boot])
-        traversal = await dialer.nat.traverse(target.peer_id)
-        assert traversal.path == "relay"
+        _, _, traversal = await relayed(stack)
         conn = traversal.connection
         with pytest.raises(P2PTrainError):
             await conn.call("echo", None, os.urandom(MiB), timeout=20)

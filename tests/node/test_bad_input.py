@@ -13,7 +13,13 @@ from collections.abc import Awaitable, Callable
 import msgpack
 import pytest
 import torch
-from conftest import NodeFactory, recorded_handshake, shake
+from conftest import (
+    NodeFactory,
+    recorded_handshake,
+    shake,
+    stall_server,
+    while_serving_healthy,
+)
 
 from p2ptrain.errors import AuthenticationError, HandshakeError, InvalidArgumentError
 from p2ptrain.lab.echo import echo
@@ -37,27 +43,14 @@ async def start_server(make_node: NodeFactory, **conn: float) -> Node:
     return server
 
 
-async def while_serving_healthy(
-    server: Node, client: Node, attack: Callable[[], Awaitable[None]]
-) -> int:
+async def while_echoing(server: Node, client: Node, attack: Callable[[], Awaitable[None]]) -> int:
     """Run ``attack`` while ``client`` keeps calling ``server``; all calls must succeed."""
-    done = asyncio.Event()
-    served = 0
 
-    async def healthy() -> None:
-        nonlocal served
-        while not done.is_set() or served < 5:
-            reply = await client.call(server.address, "echo", served, b"ok", timeout=5)
-            assert reply.body["body"] == served and bytes(reply.payload) == b"ok"
-            served += 1
+    async def echo_call(n: int) -> None:
+        reply = await client.call(server.address, "echo", n, b"ok", timeout=5)
+        assert reply.body["body"] == n and bytes(reply.payload) == b"ok"
 
-    task = asyncio.create_task(healthy())
-    try:
-        await attack()
-    finally:
-        done.set()
-    await asyncio.wait_for(task, 10)
-    return served
+    return await while_serving_healthy(echo_call, attack, at_least=5)
 
 
 async def raw_attack(server: Node, data: bytes, *, close: bool = False) -> bytes:
@@ -115,7 +108,7 @@ async def test_malformed_bytes_before_the_handshake(
     async def attack() -> None:
         received.append(await raw_attack(server, data))
 
-    await while_serving_healthy(server, client, attack)
+    await while_echoing(server, client, attack)
     assert received in ([b""], [b"<reset>"])  # the server closed on us, saying nothing
     refusals = warnings_about(caplog, "refused connection")
     assert len(refusals) == 1, refusals
@@ -128,7 +121,7 @@ async def test_truncated_frame_then_close(
     server, client = await start_server(make_node), await make_node()
     caplog.set_level(logging.WARNING)
     half = frame_bytes(Frame(FrameType.HELLO, fields={"v": 1, "pk": b"x" * 32}))[:10]
-    await while_serving_healthy(server, client, lambda: raw_attack(server, half, close=True))
+    await while_echoing(server, client, lambda: raw_attack(server, half, close=True))
     refusals = warnings_about(caplog, "refused connection")
     assert len(refusals) == 1 and ("closed" in refusals[0] or "lost" in refusals[0])
 
@@ -144,7 +137,7 @@ async def test_silent_client_times_out(
         await asyncio.wait_for(reader.read(), 5)  # returns when the server gives up on us
         writer.close()
 
-    await while_serving_healthy(server, client, attack)
+    await while_echoing(server, client, attack)
     refusals = warnings_about(caplog, "refused connection")
     assert len(refusals) == 1 and "timed out" in refusals[0]
 
@@ -174,7 +167,7 @@ async def test_forged_signature_is_refused_with_a_reason(
         refusal.append(await transport.recv_frame())
         await transport.wait_closed()
 
-    await while_serving_healthy(server, client, attack)
+    await while_echoing(server, client, attack)
     assert refusal[0].type is FrameType.REFUSE
     assert refusal[0].field("c") == "authentication"
     assert "does not verify" in refusal[0].field("m")
@@ -192,7 +185,7 @@ async def test_replayed_handshake_is_refused(
     _, recorded = await recorded_handshake(alice, server.identity, swarm="p2ptrain")
     caplog.set_level(logging.WARNING)
     replay = b"".join(frame_bytes(f) for f in recorded)
-    await while_serving_healthy(server, client, lambda: raw_attack(server, replay))
+    await while_echoing(server, client, lambda: raw_attack(server, replay))
     refusals = warnings_about(caplog, "refused connection")
     assert len(refusals) == 1 and "failed authentication" in refusals[0]
 
@@ -243,9 +236,18 @@ async def test_malformed_frames_from_an_authenticated_peer(
             transport._transport.write(head)
         await asyncio.wait_for(transport.wait_closed(), 5)
 
-    await while_serving_healthy(server, client, attack)
+    await while_echoing(server, client, attack)
     closing = [m for m in warnings_about(caplog, "closing connection") if expected in m]
     assert len(closing) == 1, caplog.text
+
+
+async def still_serves(transport: TCPTransport) -> None:
+    """The connection whose stream 1 was reset still answers a call (on stream 3); closed."""
+    transport.send_frame_nowait(Frame(FrameType.OPEN, 3, 0x3, {"m": "echo", "b": "still here"}))
+    while (reply := await asyncio.wait_for(transport.recv_frame(), 5)).stream_id != 3:
+        pass
+    assert reply.field("b")["body"] == "still here"
+    transport.close()
 
 
 async def test_window_overrun_resets_only_that_stream(
@@ -255,14 +257,7 @@ async def test_window_overrun_resets_only_that_stream(
     limits = ConnectionConfig(
         stream_window=4096, max_frame_bytes=128 * 1024, max_header_bytes=16 * 1024
     )
-    server = await make_node(config=NodeConfig(connection=limits))
-    server.handlers.add_unary("echo", echo)
-    stalled = asyncio.Event()
-
-    async def stall(ctx: CallContext, stream: RPCStream) -> None:
-        await stalled.wait()
-
-    server.handlers.add_stream("stall", stall)
+    server = await stall_server(make_node, limits)
     client = await make_node()
     caplog.set_level(logging.WARNING)
 
@@ -273,14 +268,9 @@ async def test_window_overrun_resets_only_that_stream(
             transport.send_frame_nowait(Frame(FrameType.DATA, 1, 0, None, b"z" * 65536))
         reset = await asyncio.wait_for(transport.recv_frame(), 5)
         assert reset.type is FrameType.RESET and reset.field("c") == "resource_exhausted"
-        # The same connection still serves calls.
-        transport.send_frame_nowait(Frame(FrameType.OPEN, 3, 0x3, {"m": "echo", "b": "still here"}))
-        while (reply := await asyncio.wait_for(transport.recv_frame(), 5)).stream_id != 3:
-            pass
-        assert reply.field("b")["body"] == "still here"
-        transport.close()
+        await still_serves(transport)
 
-    await while_serving_healthy(server, client, attack)
+    await while_echoing(server, client, attack)
     assert len(warnings_about(caplog, "overran the stream window")) == 1
 
 
@@ -288,13 +278,7 @@ async def test_credit_never_used_resets_only_that_stream(
     make_node: NodeFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A WINDOW giving back more than the server sent loses the stream, not the connection."""
-    server = await start_server(make_node)
-    stalled = asyncio.Event()
-
-    async def stall(ctx: CallContext, stream: RPCStream) -> None:
-        await stalled.wait()
-
-    server.handlers.add_stream("stall", stall)
+    server = await stall_server(make_node, ConnectionConfig())
     client = await make_node()
     caplog.set_level(logging.WARNING)
 
@@ -305,13 +289,9 @@ async def test_credit_never_used_resets_only_that_stream(
         reset = await asyncio.wait_for(transport.recv_frame(), 5)
         assert reset.type is FrameType.RESET and reset.field("c") == "invalid_argument"
         assert "more than was sent" in reset.field("m")
-        transport.send_frame_nowait(Frame(FrameType.OPEN, 3, 0x3, {"m": "echo", "b": "still here"}))
-        while (reply := await asyncio.wait_for(transport.recv_frame(), 5)).stream_id != 3:
-            pass
-        assert reply.field("b")["body"] == "still here"
-        transport.close()
+        await still_serves(transport)
 
-    await while_serving_healthy(server, client, attack)
+    await while_echoing(server, client, attack)
     assert len(warnings_about(caplog, "gives back more than was sent")) == 1
 
 
@@ -334,7 +314,7 @@ async def test_tensor_header_disagreeing_with_its_payload(
         with pytest.raises(InvalidArgumentError, match="payload"):
             await attacker.call(server.address, "total", lying, payload, timeout=5)
 
-    await while_serving_healthy(server, client, attack)
+    await while_echoing(server, client, attack)
     rejected = warnings_about(caplog, "rejected a 'total' request")
     assert len(rejected) == 1
 
@@ -384,7 +364,7 @@ async def test_peer_vanishing_mid_stream(make_node: NodeFactory) -> None:
         await proc.wait()
         await asyncio.wait_for(handler_ended.wait(), 10)
 
-    await while_serving_healthy(server, client, attack)
+    await while_echoing(server, client, attack)
     assert received == 8 * 65536
     assert all(c.remote_peer == client.peer_id for c in server.connections())
 

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import NodeFactory
+from conftest import NodeFactory, stall_server
 
 from p2ptrain.errors import DeadlineExceededError, ResourceExhaustedError
 from p2ptrain.lab.echo import echo
@@ -113,14 +113,7 @@ async def test_unread_stream_data_is_capped_per_connection(make_node: NodeFactor
     limits = ConnectionConfig(
         stream_window=1 << 20, max_frame_bytes=1 << 20, max_buffered_bytes=1 << 20
     )
-    server = await make_node(config=NodeConfig(connection=limits))
-    server.handlers.add_unary("echo", echo)
-    never = asyncio.Event()
-
-    async def stall(ctx: CallContext, stream: RPCStream) -> None:
-        await never.wait()
-
-    server.handlers.add_stream("stall", stall)
+    server = await stall_server(make_node, limits)
     client = await make_node()
     conn = await client.connect(server.address)
     streams = [await conn.open_stream("stall", timeout=10) for _ in range(4)]
@@ -133,19 +126,6 @@ async def test_unread_stream_data_is_capped_per_connection(make_node: NodeFactor
     assert server_conn.buffered_bytes <= 1 << 20
     assert not conn.closed
     await assert_healthy(server, client)
-
-
-async def stall_server(make_node: NodeFactory, limits: ConnectionConfig) -> Node:
-    """A node serving ``echo`` and ``stall`` (a stream handler that never returns)."""
-    server = await make_node(config=NodeConfig(connection=limits))
-    server.handlers.add_unary("echo", echo)
-    never = asyncio.Event()
-
-    async def stall(ctx: CallContext, stream: RPCStream) -> None:
-        await never.wait()
-
-    server.handlers.add_stream("stall", stall)
-    return server
 
 
 def closed(conn: Connection) -> asyncio.Event:

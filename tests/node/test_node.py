@@ -15,7 +15,9 @@ from p2ptrain.errors import ConfigError, ConnectError, UnavailableError
 from p2ptrain.lab.echo import echo
 from p2ptrain.node.address import PeerAddress
 from p2ptrain.node.config import NodeConfig
+from p2ptrain.node.node import Node
 from p2ptrain.rpc.config import ConnectionConfig
+from p2ptrain.rpc.connection import Connection
 from p2ptrain.rpc.handlers import CallContext, Message
 from p2ptrain.secure.identity import Identity
 
@@ -49,16 +51,22 @@ async def test_dial_without_peer_id_learns_it(make_node: NodeFactory) -> None:
     assert a.connection_to(b.peer_id) is conn
 
 
-async def test_idle_connections_close_themselves(make_node: NodeFactory) -> None:
-    timings = ConnectionConfig(idle_timeout=0.2, keepalive_interval=0.05)
-    a = await make_node(config=NodeConfig(connection=timings))
-    b = await make_node(config=NodeConfig(connection=timings))
+async def called_once(a: Node, b: Node) -> tuple[Connection, asyncio.Event]:
+    """``a``'s connection to ``b`` after one ``echo`` call, and an event set when it closes."""
     b.handlers.add_unary("echo", echo)
     await a.call(b.address, "echo", 1)
     conn = a.connection_to(b.peer_id)
     assert conn is not None
     closed = asyncio.Event()
     conn.on_close(lambda _c: closed.set())
+    return conn, closed
+
+
+async def test_idle_connections_close_themselves(make_node: NodeFactory) -> None:
+    timings = ConnectionConfig(idle_timeout=0.2, keepalive_interval=0.05)
+    a = await make_node(config=NodeConfig(connection=timings))
+    b = await make_node(config=NodeConfig(connection=timings))
+    _, closed = await called_once(a, b)
     await asyncio.wait_for(closed.wait(), 5)
     assert a.connection_to(b.peer_id) is None
     # The next call simply dials again.
@@ -138,12 +146,7 @@ def test_addresses_parse_and_print() -> None:
 
 async def test_abort_drops_connections_without_goodbye(make_node: NodeFactory) -> None:
     a, b = await make_node(), await make_node()
-    b.handlers.add_unary("echo", echo)
-    await a.call(b.address, "echo", 1)
-    conn = a.connection_to(b.peer_id)
-    assert conn is not None
-    closed = asyncio.Event()
-    conn.on_close(lambda _c: closed.set())
+    conn, closed = await called_once(a, b)
     await b.abort()
     await asyncio.wait_for(closed.wait(), 5)
     assert not conn.going_away  # no GOAWAY was sent: the peer just vanished

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import NodeFactory
+from conftest import NodeFactory, run_cli
 
 from p2ptrain.app.cli import _build_parser, _node_config, main
 from p2ptrain.errors import AdmissionError, ConfigError, HandshakeError
@@ -27,17 +25,6 @@ from p2ptrain.secure.swarm_key import (
 PINNED = f"{Identity.from_seed(bytes(32)).peer_id}@127.0.0.1:1"
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """The command line in a process of its own (as a user runs it)."""
-    return subprocess.run(
-        [sys.executable, "-m", "p2ptrain.app.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def cli_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """The command line's ``main`` in this process (quicker): (status, stdout, stderr)."""
     status = main(list(args))
@@ -49,7 +36,7 @@ def test_keygen_writes_a_private_printable_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "swarm.key"
-    result = cli("keygen", "--out", str(path))
+    result = run_cli("keygen", "--out", str(path))
     assert result.returncode == 0, result.stderr
     assert f"--secret-file {path}" in result.stdout and "private channel" in result.stdout
     assert stat.S_IMODE(path.stat().st_mode) == 0o600

@@ -68,13 +68,18 @@ async def test_tcp(check: Check) -> None:
     await run_check(check, a, b, timeout=TCP_SUITE.timeout)
 
 
+def seal(a: TCPTransport, b: TCPTransport) -> None:
+    """Both ends seal their records with matching keys, rekeying every 8 frames."""
+    one, two = bytes(range(32)), bytes(range(1, 33))
+    a.start_records(RecordKeys(send=one, receive=two, rekey_operations=8))
+    b.start_records(RecordKeys(send=two, receive=one, rekey_operations=8))
+
+
 @pytest.mark.parametrize("check", checks(TCP_SUITE), ids=lambda check: check.name)
 async def test_tcp_sealed(check: Check) -> None:
     """The same promises hold once records are sealed (rekeying every few frames)."""
     a, b = await tcp_pair()
-    one, two = bytes(range(32)), bytes(range(1, 33))
-    a.start_records(RecordKeys(send=one, receive=two, rekey_operations=8))
-    b.start_records(RecordKeys(send=two, receive=one, rekey_operations=8))
+    seal(a, b)
     await run_check(check, a, b, timeout=TCP_SUITE.timeout)
 
 
@@ -82,9 +87,7 @@ async def test_tcp_sealed(check: Check) -> None:
 async def test_tcp_sealed_offloaded(check: Check) -> None:
     """And with payloads of 64 KiB or more sealed and opened on the crypto threads."""
     a, b = await tcp_pair()
-    one, two = bytes(range(32)), bytes(range(1, 33))
-    a.start_records(RecordKeys(send=one, receive=two, rekey_operations=8))
-    b.start_records(RecordKeys(send=two, receive=one, rekey_operations=8))
+    seal(a, b)
     for end in (a, b):
         end.set_crypto_offload(64 * 1024)
     await run_check(check, a, b, timeout=TCP_SUITE.timeout)

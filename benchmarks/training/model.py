@@ -1,7 +1,7 @@
 """What every ``bench_training.py --wan`` worker shares: model, data, timing, held-out loss.
 
-Imported by the p2ptrain workers (``training_wan/peer.py``) and by the
-hivemind workers (``training_wan/hivemind.py``, run by hivemind's own
+Imported by the p2ptrain workers (``training/peer.py``) and by the
+hivemind workers (``training/hivemind.py``, run by hivemind's own
 interpreter), so it needs only torch and the charlm example (which imports
 nothing else of p2ptrain).
 

@@ -5,8 +5,8 @@ Each system trains in a fresh star lab (:mod:`p2ptrain.lab.starlab`):
 link of ``--up-mbit`` / ``--down-mbit`` (``tc tbf``) with ``--rtt-ms`` of
 round-trip time (the kernel has no netem: every host routes its sends
 through the lab's user-space delay shim, ``rtt/2`` each way). One peer
-process per host (``training_wan/peer.py`` for p2ptrain,
-``training_wan/hivemind.py`` run by hivemind's interpreter) trains the same
+process per host (``training/peer.py`` for p2ptrain,
+``training/hivemind.py`` run by hivemind's interpreter) trains the same
 charlm configuration from the same seed, each peer on its own shard of the
 data with local batches of ``--batch``, until its global step reaches
 ``--steps``:
@@ -20,7 +20,7 @@ data with local batches of ``--batch``, until its global step reaches
   round (``peers × batch × H`` samples a round), overlapped rounds unless
   ``--diloco-sync``;
 * ``hivemind``: hivemind.Optimizer with delayed parameter updates, target
-  ``--target`` (see ``training_wan/hivemind.py`` for its settings). Its
+  ``--target`` (see ``training/hivemind.py`` for its settings). Its
   global step is the number of updates in the parameters: ``local_epoch - 1``
   (the step that opens epoch e first installs the update of epoch e - 1).
 
@@ -74,12 +74,13 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.harness import JsonChild, emit_json, find_hivemind, format_table, plot_bars
+from benchmarks.harness import JsonChild, emit_json, format_table, plot_bars
+from benchmarks.options import add_hivemind_arguments, add_plot_argument, hivemind_of
 
 __all__ = ["SYSTEMS", "add_wan_arguments", "resolve_wan_defaults", "run_wan"]
 
-P2PTRAIN_WORKER = "benchmarks.training_wan.peer"
-HIVEMIND_WORKER = "benchmarks.training_wan.hivemind"
+P2PTRAIN_WORKER = "benchmarks.training.peer"
+HIVEMIND_WORKER = "benchmarks.training.hivemind"
 SYSTEMS = ("p2ptrain_sync", "p2ptrain_overlap", "p2ptrain_diloco", "hivemind")
 START_TIMEOUT = 180.0
 
@@ -116,12 +117,7 @@ def add_wan_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--systems", default=",".join(SYSTEMS), help="comma-separated systems to run (--wan)"
     )
-    group.add_argument("--no-hivemind", action="store_true", help="leave hivemind out of --wan")
-    group.add_argument(
-        "--hivemind-python",
-        default=None,
-        help="interpreter that can import hivemind, e.g. a separate venv's (default: this one)",
-    )
+    add_hivemind_arguments(group, part=" of --wan")
     group.add_argument(
         "--matchmaking-time", type=float, default=3.0, help="hivemind's matchmaking_time"
     )
@@ -131,7 +127,7 @@ def add_wan_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--diloco-sync", action="store_true", help="synchronous DiLoCo rounds (default overlapped)"
     )
-    group.add_argument("--png", help="write a bar chart of the --wan results here")
+    add_plot_argument(group, "a bar chart of the --wan results")
 
 
 def resolve_wan_defaults(args: argparse.Namespace) -> None:
@@ -472,7 +468,7 @@ def run_wan(args: argparse.Namespace) -> None:
     for system in chosen:
         python = sys.executable
         if system == "hivemind":
-            found, why = _hivemind_python(args)
+            found, why = hivemind_of(args)
             print(why, flush=True)
             if found is None:
                 runs[system] = {"skipped": why}
@@ -489,9 +485,3 @@ def run_wan(args: argparse.Namespace) -> None:
             extra = summarize(run_system(args, system, sys.executable), args.target_loss)
             runs[system].setdefault("repeats", []).append(extra)
     report(args, runs)
-
-
-def _hivemind_python(args: argparse.Namespace) -> tuple[str | None, str]:
-    if args.no_hivemind:
-        return None, "hivemind skipped: --no-hivemind"
-    return find_hivemind(args.hivemind_python)

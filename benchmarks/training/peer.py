@@ -1,8 +1,8 @@
 """One p2ptrain peer of ``bench_training.py --wan``, run inside its namespace of the star lab.
 
-Usage (by ``training_wan/runner.py``)::
+Usage (by ``training/runner.py``)::
 
-    python -m benchmarks.training_wan.peer JOB_JSON
+    python -m benchmarks.training.peer JOB_JSON
 
 ``JOB_JSON["system"]`` picks the trainer:
 
@@ -20,7 +20,7 @@ Usage (by ``training_wan/runner.py``)::
 The peer is configured as ``p2ptrain train`` configures one (matchmaking
 window 2 s, its progress settings, fp16 all-reduce), listening on its
 namespace address with plain TCP (no NAT in the lab). The line protocol is
-in ``training_wan/model.py``.
+in ``training/model.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
-from benchmarks.training_wan.model import (
+from benchmarks.training.model import (
     Commands,
     Recorder,
     adamw,
@@ -49,10 +50,10 @@ START_WAIT_S = 60.0  # seconds a peer waits to see every peer of the run before 
 
 def main(job: dict[str, Any]) -> None:
     from p2ptrain.allreduce.config import AllReduceConfig
-    from p2ptrain.allreduce.matchmaking import MatchmakingConfig
     from p2ptrain.app.train import TrainingSessionConfig
     from p2ptrain.dht.node_config import DHTNodeConfig
     from p2ptrain.examples.charlm.model import loss
+    from p2ptrain.lab.timings import TRAINING_MATCHMAKING
     from p2ptrain.node.config import NodeConfig
     from p2ptrain.peer import Peer, PeerConfig
     from p2ptrain.train import (
@@ -67,9 +68,7 @@ def main(job: dict[str, Any]) -> None:
     peer_config = PeerConfig(
         node=NodeConfig(host=job["host"], port=0),
         dht=DHTNodeConfig(initial_peers=tuple(initial_peers(job))),
-        matchmaking=MatchmakingConfig(
-            window=cli.matchmaking_window, poll_interval=0.05, plan_timeout=5.0
-        ),
+        matchmaking=replace(TRAINING_MATCHMAKING, window=cli.matchmaking_window),
         nat=None,
     )
     codec = AllReduceConfig(codec=job["compression"])

@@ -1,8 +1,8 @@
 """One hivemind.Optimizer peer of ``bench_training.py --wan`` (run by hivemind's interpreter).
 
-Usage (by ``training_wan/runner.py``, inside the peer's namespace)::
+Usage (by ``training/runner.py``, inside the peer's namespace)::
 
-    HIVEMIND_PYTHON benchmarks/training_wan/hivemind.py JOB_JSON
+    HIVEMIND_PYTHON benchmarks/training/hivemind.py JOB_JSON
 
 The same model, seed, data shard, local batch, AdamW and target batch as the
 p2ptrain peers, trained with ``hivemind.Optimizer`` configured as its
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.training_wan.model import (
+from benchmarks.training.model import (
     Commands,
     Recorder,
     adamw,

@@ -1,0 +1,1 @@
+"""The parts of ``bench_transport``: the paths it measures (RPC and a raw socket)."""
