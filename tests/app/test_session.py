@@ -242,11 +242,12 @@ def test_one_model_per_run_through_the_command_line(
     task_file.write_text(documented_example())  # torch.nn.Linear(8, 1): unseeded
     other = tmp_path / "wide_task.py"
     other.write_text(documented_example().replace("Linear(8, 1)", "Linear(8, 3)"))
-    deadline = time.monotonic() + 110
+    deadline = time.monotonic() + 170
     address = started_bootstrap(procs, deadline)
-    # Long enough that the wrong peer, started after them, finds them still in
-    # the run on a loaded machine (its start alone took over 8 s at load 10).
-    common = ["train", "--join", address, "--seconds", "25", "--target-batch-size", "32"]
+    # The two peers train until told to stop (SIGTERM ends a run cleanly, with
+    # its summary), so the wrong peer finds them in the run however long its
+    # start takes on a loaded machine.
+    common = ["train", "--join", address, "--seconds", "600", "--target-batch-size", "32"]
     common += ["--batch-size", "8", "--log-json", "-", "--torch-threads", "1", "--log-digest"]
     peers = [cli_process(*common, "--task", str(task_file)) for _ in range(2)]
     procs.extend(peers)
@@ -258,14 +259,20 @@ def test_one_model_per_run_through_the_command_line(
     # The run's id came from the task's name; another model in it is refused.
     wrong = cli_process(*common, "--task", str(other), "--run-id", "linear_task")
     procs.append(wrong)
-    assert wrong.process.wait(60) == 2
+    assert wrong.process.wait(max(1.0, deadline - time.monotonic())) == 2
     wrong_err = [line for line in wrong.stderr if "error" in line]
     assert len(wrong_err) == 1 and "trains another model" in wrong_err[0], list(wrong.stderr)
 
     digests: dict[int, set[str]] = {0: {starts[0]["params_sha256"]}}
     ends = []
     for peer in peers:
-        events = _events_until_end(peer, deadline)
+        events: list[dict[str, Any]] = []
+        stopped = False
+        while not events or events[-1]["event"] != "end":
+            events.append(json.loads(peer.next_line(deadline)))
+            if not stopped and events[-1].get("global_step", 0) >= 2:
+                peer.process.terminate()
+                stopped = True
         ends.append(events[-1])
         for event in events:
             if event["event"] == "progress":
